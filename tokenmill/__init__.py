@@ -1,0 +1,13 @@
+"""tokenmill: an LLM inference server with a paged KV cache, prefix caching and continuous batching."""
+from tokenmill.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name):
+    # LLM pulls in torch and the model code; keep `import tokenmill` light for the CLI and the API server.
+    if name == "LLM":
+        from tokenmill.llm import LLM
+        return LLM
+    raise AttributeError(name)

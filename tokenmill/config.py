@@ -1,0 +1,69 @@
+"""Engine configuration: one dataclass whose fields are the CLI flags (vLLM's names)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class EngineConfig:
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF directory, GGUF file, or SmolLM2-135M-Instruct"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: the model's)"})
+    dtype: str = field(default="auto", metadata={"help": "auto|bfloat16|float16|float32",
+                                                  "choices": ["auto", "bfloat16", "float16", "float32"]})
+    device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})
+    seed: int = field(default=0, metadata={"help": "seed for unseeded sampling"})
+    max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_memory: str = field(default="auto", metadata={
+        "help": "KV pool size: bytes ('4GiB', '512MiB'), a fraction of free memory ('0.3'), or auto"})
+    num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "force the number of KV blocks"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests in one batch"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs|priority", "choices": ["fcfs", "priority"]})
+    max_logprobs: int = field(default=20, metadata={"help": "most logprobs a request may ask for"})
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("--max-num-batched-tokens and --max-num-seqs must be positive")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=help_)
+                continue
+            kind = {"int": int, "int | None": int}.get(f.type, str)
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024**2,
+          "g": 1e9, "gb": 1e9, "gib": 1024**3}
+
+
+def parse_memory(text: str, free_bytes: int) -> int:
+    """'4GiB' → bytes; '0.3' → that fraction of free memory."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse --kv-cache-memory {text!r}; use e.g. 4GiB, 512MiB or 0.3")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "" and value <= 1.0:
+        return int(value * free_bytes)
+    return int(value * _UNITS[unit])
+

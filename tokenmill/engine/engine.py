@@ -1,0 +1,129 @@
+"""The engine loop: schedule → run model → sample → update requests. No tokenizer here: token ids in and out.
+
+Stop strings need text, so the front end (offline LLM or API server) detokenizes and aborts on a match."""
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.models.loader import load_model_config, resolve_model_path
+from tokenmill.sampling_params import ParamError, SamplingParams
+
+logger = logging.getLogger("tokenmill.engine")
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    # per new token: (token_id, logprob, rank, top ids, top logprobs)
+    logprobs: list[tuple] | None = None
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    # monotonic timestamps, for the front end's timings and metrics
+    arrival_time: float = 0.0
+    first_scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_info = load_model_config(resolve_model_path(config.model))
+        model_len = getattr(self.model_info.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.max_model_len or model_len
+        self.runner = ModelRunner(config, self.model_info, self.max_model_len)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.scheduling_policy)
+        self.num_steps = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_id: int | None = None, priority: int = 0, arrival_time: float | None = None,
+                    extra_keys: tuple = ()) -> Request:
+        if not prompt_token_ids:
+            raise ParamError("the prompt is empty", "prompt")
+        n_prompt = len(prompt_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise ParamError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                             f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} "
+                             "in the completion). Please reduce the length of the messages or completion.",
+                             "max_tokens" if params.max_tokens is not None else "messages")
+        if max_tokens < 1:
+            raise ParamError(f"the prompt ({n_prompt} tokens) leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}", "prompt")
+        if (params.logprobs or 0) > self.config.max_logprobs or (params.prompt_logprobs or 0) > self.config.max_logprobs:
+            raise ParamError(f"at most {self.config.max_logprobs} logprobs may be requested", "logprobs")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ParamError(f"token id {bad[0]} is out of vocabulary (size {self.runner.vocab_size})", "prompt")
+        if self.scheduler.policy == "fcfs" and priority != 0:
+            raise ParamError("priority is only allowed with --scheduling-policy priority", "priority")
+        request = Request(request_id, prompt_token_ids, params, eos_token_id, max_tokens, priority,
+                          extra_keys, arrival_time)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            return []
+        block_tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.requests}
+        result = self.runner.execute(sched, block_tables)
+        self.num_steps += 1
+        now = time.monotonic()
+        outputs = []
+        for r in sched.requests:
+            r.num_computed_tokens += sched.num_scheduled_tokens[r.request_id]
+            prompt_lp = result.prompt_logprobs.get(r.request_id)
+            token = result.sampled.get(r.request_id)
+            if token is None:
+                if prompt_lp:
+                    outputs.append(self._output(r, [], None, prompt_lp))
+                continue
+            if r.times.first_token is None:
+                r.times.first_token = now
+            r.append_output_token(token)
+            lp = result.logprobs.get(r.request_id)
+            status = self._check_stop(r, token)
+            if status is not None:
+                self.scheduler.finish(r, status)
+            outputs.append(self._output(r, [token], [lp] if lp else None, prompt_lp))
+        return outputs
+
+    def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
+        p = r.params
+        if r.num_output_tokens >= p.min_tokens:
+            if (token == r.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, r: Request, tokens: list[int], logprobs, prompt_logprobs) -> EngineCoreOutput:
+        t = r.times
+        return EngineCoreOutput(r.request_id, tokens, r.finish_reason, logprobs, prompt_logprobs,
+                                r.num_cached_tokens, t.arrival, t.first_scheduled or 0.0, t.first_token or 0.0,
+                                t.finished or 0.0)
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"num_running": len(s.running), "num_waiting": len(s.waiting),
+                "kv_cache_usage": self.kv_cache.usage, "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
+                "prefix_cache_hits": self.kv_cache.prefix_cache_hits, "num_preemptions": s.num_preemptions,
+                "num_blocks": self.kv_cache.num_blocks, "block_size": self.kv_cache.block_size}

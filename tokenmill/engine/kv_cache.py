@@ -1,0 +1,174 @@
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks, per-request block tables and prefix caching.
+
+The tensors themselves live in the model runner; this module only decides which block ids a request owns.
+A full block is keyed by hash_block_tokens(parent, tokens, extra_keys), so a shared prefix maps to the same
+chain of keys in every process (the router uses the same function to predict cache hits).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from tokenmill.engine.request import Request
+
+_ROOT_HASH = b"tokenmill-kv-root"
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
+    """SHA-256 key of one full block; deterministic across processes and Python hash seeds."""
+    payload = _encode((parent_hash or _ROOT_HASH, list(token_ids), list(extra_keys)))
+    return hashlib.sha256(payload).digest()
+
+
+def hash_request_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple = (),
+                        known: list[bytes] | None = None) -> list[bytes]:
+    """The hash chain of every full block of token_ids, extending `known` (a prefix of the chain) in place."""
+    hashes = known if known is not None else []
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else None
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys))
+    return hashes
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """All blocks, the LRU free queue and the hash→block map.
+
+    Free blocks sit in one queue, oldest first. A freed block that holds a cached prefix goes to the tail and
+    stays findable by hash until it reaches the head and is taken for fresh data (eviction)."""
+
+    def __init__(self, num_blocks: int):
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def take_fresh(self, n: int) -> list[KVCacheBlock]:
+        assert n <= len(self.free_queue), "caller must check num_free_blocks"
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks found by hash (they may be sitting in the free queue)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+                if block.block_hash is None:  # holds nothing reusable: hand it out before cached blocks
+                    self.free_queue.move_to_end(block.block_id, last=False)
+
+    def cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.block_tables: dict[str, list[KVCacheBlock]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up, counted once per admission
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request, as blocks and tokens; at most num_tokens - 1 tokens, so
+        that the last token is always computed and yields logits."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = hash_request_blocks(request.all_token_ids, self.block_size, request.extra_keys,
+                                     request.block_hashes)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+        """Make room for num_new_tokens more tokens after the computed ones; False (and no change) if the
+        pool cannot. computed_blocks are prefix-cache hits for a request that has none yet."""
+        table = self.block_tables.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
+        # Touching a hit that sits in the free queue removes it from there, so it is not free to take.
+        reclaimable = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimable:
+            if not table:
+                del self.block_tables[request.request_id]
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+        if need > 0:
+            table.extend(self.pool.take_fresh(need))
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, table, num_computed, num_computed + num_new_tokens)
+        return True
+
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def _cache_full_blocks(self, request: Request, table: list[KVCacheBlock], start_token: int,
+                           end_token: int) -> None:
+        # Blocks are registered when scheduled, not when computed: within a step every layer writes all new
+        # K/V before any attention reads, so a request admitted in the same step may already share them.
+        first, last = start_token // self.block_size, end_token // self.block_size
+        if last <= first:
+            return
+        if len(request.block_hashes) < last:
+            hash_request_blocks(request.all_token_ids[:last * self.block_size], self.block_size,
+                                request.extra_keys, request.block_hashes)
+        for i in range(first, last):
+            self.pool.cache(table[i], request.block_hashes[i])
+
+    def free(self, request: Request) -> None:
+        table = self.block_tables.pop(request.request_id, [])
+        # Reverse order: the tail of a sequence is the least likely to be shared, so it is evicted first.
+        self.pool.free(reversed(table))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.block_tables.get(request_id, ())]

@@ -1,0 +1,84 @@
+"""The engine's view of one request: its tokens, progress, KV blocks and timings."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class RequestTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_id: int | None, max_tokens: int, priority: int = 0,
+                 extra_keys: tuple = (), arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # all_token_ids is what the KV cache holds: prompt + output, recomputed as one prompt after preemption.
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.extra_keys = extra_keys  # e.g. LoRA id or cache_salt: enters every block hash
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.times = RequestTimes()
+        if arrival_time is not None:
+            self.times.arrival = arrival_time
+        self.generator = None  # torch.Generator for seeded sampling, made by the sampler
+        self.logprobs: list[dict] = []  # per output token, when params.logprobs is set
+        self.prompt_logprobs: list[dict | None] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.times.arrival)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,140 @@
+"""Owns the model and the KV tensors; turns a SchedulerOutput into one forward pass and sampled tokens."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from tokenmill.config import EngineConfig, parse_memory
+from tokenmill.engine.request import Request
+from tokenmill.engine.sampler import LogprobEntry, Sampler, logprob_entries
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.models.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from tokenmill.models.loader import ModelInfo, load_model, resolve_dtype
+
+logger = logging.getLogger("tokenmill.runner")
+
+CPU_DEFAULT_KV_BYTES = 4 * 1024**3  # vLLM-CPU's default KV space
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]  # request_id → token, for requests whose step reached the end of their tokens
+    logprobs: dict[str, LogprobEntry]
+    prompt_logprobs: dict[str, list[LogprobEntry | None]]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, info: ModelInfo, max_model_len: int):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, info.hf_config, self.device)
+        self.block_size = config.block_size
+        self.model = load_model(info, self.dtype, self.device, max_model_len)
+        self.backend = get_attention_backend()
+        self.vocab_size = info.hf_config.vocab_size
+        self.sampler = Sampler(self.vocab_size, self.device, config.seed)
+        self.num_blocks = self._num_blocks(max_model_len)
+        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(len(self.model.layers))]
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB, dtype %s",
+                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                    self.num_blocks * self._block_bytes() / 1024**3, self.dtype)
+
+    def _block_bytes(self) -> int:
+        per_token = 2 * len(self.model.layers) * self.model.num_kv_heads * self.model.head_dim
+        return per_token * self.block_size * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = psutil.virtual_memory().available
+        if self.config.kv_cache_memory == "auto":
+            budget = int(0.8 * free) if self.device.type == "cuda" else min(CPU_DEFAULT_KV_BYTES, int(0.3 * free))
+        else:
+            budget = parse_memory(self.config.kv_cache_memory, free)
+        num_blocks = budget // self._block_bytes()
+        # More than every sequence at full length can never be used.
+        useful = self.config.max_num_seqs * -(-max_model_len // self.block_size)
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < -(-max_model_len // self.block_size):
+            raise ValueError(f"the KV cache ({num_blocks} blocks of {self.block_size}) cannot hold one sequence "
+                             f"of max_model_len={max_model_len}; raise --kv-cache-memory or lower --max-model-len")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> RunnerOutput:
+        bs = self.block_size
+        # Decodes first: they share one batched attention call.
+        order = sorted(sched.requests, key=lambda r: sched.num_scheduled_tokens[r.request_id] != 1)
+        input_ids, positions, slots = [], [], []
+        logits_rows: list[int] = []
+        sampling: list[Request] = []
+        prompt_lp: list[tuple[Request, int, int]] = []  # (request, first flat index, count)
+        decode_tables, decode_lens, prefills = [], [], []
+        for r in order:
+            n = sched.num_scheduled_tokens[r.request_id]
+            start, end = r.num_computed_tokens, r.num_computed_tokens + n
+            table = block_tables[r.request_id]
+            flat_start = len(input_ids)
+            input_ids.extend(r.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                decode_tables.append(table[:-(-end // bs)])
+                decode_lens.append(end)
+            else:
+                prefills.append((flat_start, flat_start + n, end, table[:-(-end // bs)]))
+            if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens and not r.num_preemptions:
+                prompt_lp.append((r, flat_start, min(end, r.num_prompt_tokens) - start))
+            if end == r.num_tokens:
+                logits_rows.append(flat_start + n - 1)
+                sampling.append(r)
+
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), num_decodes=len(decode_tables))
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        meta.prefills = [PrefillChunk(s, e, ctx, torch.tensor(t, device=dev)) for s, e, ctx, t in prefills]
+
+        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                            self.kv_caches, meta, self.backend)
+        out = RunnerOutput({}, {}, {})
+        if sampling:
+            logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
+            result = self.sampler(logits, sampling)
+            for r, tok, lp in zip(sampling, result.token_ids, result.logprobs):
+                out.sampled[r.request_id] = tok
+                if lp is not None:
+                    out.logprobs[r.request_id] = lp
+        for r, first, count in prompt_lp:
+            out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden[first:first + count])
+        return out
+
+    def _prompt_logprobs(self, r: Request, hidden: torch.Tensor) -> list[LogprobEntry | None]:
+        """Logprobs of prompt tokens start+1 .. start+count, given the hidden states at start .. start+count-1;
+        the very first prompt token has none."""
+        start = r.num_computed_tokens
+        targets = r.prompt_token_ids[start + 1:start + 1 + hidden.shape[0]]
+        entries: list[LogprobEntry | None] = [None] if start == 0 else []
+        if targets:
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[:len(targets)]), dim=-1)
+            ids = torch.tensor(targets, device=self.device)
+            entries.extend(logprob_entries(logprobs, ids, [r.params.prompt_logprobs] * len(targets)))
+        return entries

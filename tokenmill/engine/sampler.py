@@ -1,0 +1,152 @@
+"""Turns a step's logits into one token per request, batched over the requests.
+
+Order, as in vLLM: logit_bias and min_tokens masking, repetition/presence/frequency penalties, then greedy
+argmax, or temperature, top-k, top-p, min-p and a draw. Logprobs are of the raw model output.
+A seeded request draws from its own torch.Generator, advanced once per token, so its output does not depend on
+what else is in the batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.request import Request
+
+# A logprob entry: (token_id, logprob, rank of the token, top-k ids, top-k logprobs)
+LogprobEntry = tuple[int, float, int, list[int], list[float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[LogprobEntry | None]
+
+
+def logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[LogprobEntry]:
+    """logprobs [N, V] (already log-softmaxed), the chosen token of each row, and how many alternatives."""
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(1) + 1
+    kmax = max(ks)
+    top_vals, top_ids = logprobs.topk(kmax, dim=1) if kmax else (logprobs[:, :0], token_ids[:, None][:, :0])
+    chosen, ranks = chosen.tolist(), ranks.tolist()
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return [(int(t), chosen[i], ranks[i], top_ids[i][:ks[i]], top_vals[i][:ks[i]])
+            for i, t in enumerate(token_ids.tolist())]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits[:, :self.vocab_size]
+        want_logprobs = [r.params.logprobs is not None for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = self._apply_bias_and_penalties(logits, requests)
+
+        greedy = [r.params.greedy for r in requests]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._draw(logits, requests, greedy)
+
+        entries: list[LogprobEntry | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            rows = [i for i, w in enumerate(want_logprobs) if w]
+            got = logprob_entries(raw_logprobs[rows], tokens[rows], [requests[i].params.logprobs for i in rows])
+            for i, e in zip(rows, got):
+                entries[i] = e
+        return SamplerOutput(tokens.tolist(), entries)
+
+    def _apply_bias_and_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        edited = False
+        for i, r in enumerate(requests):
+            p = r.params
+            if p.logit_bias:
+                if not edited:
+                    logits, edited = logits.clone(), True
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                vals = torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+                logits[i].index_add_(0, ids, vals)
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None
+                                                   and not p.ignore_eos else [])
+                if banned:
+                    if not edited:
+                        logits, edited = logits.clone(), True
+                    logits[i, banned] = float("-inf")
+        rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0
+                or r.params.presence_penalty or r.params.frequency_penalty]
+        if rows:
+            if not edited:
+                logits = logits.clone()
+            self._apply_penalties(logits, [requests[i] for i in rows], rows)
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        dev = logits.device
+        counts = torch.zeros(len(rows), self.vocab_size, device=dev)
+        seen = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device=dev)
+        for j, r in enumerate(requests):
+            if r.output_token_ids:
+                out = torch.tensor(r.output_token_ids, device=dev)
+                counts[j].index_add_(0, out, torch.ones(len(out), device=dev))
+            seen[j, torch.tensor(r.prompt_token_ids, device=dev)] = True
+        seen |= counts > 0
+        rep = torch.tensor([r.params.repetition_penalty for r in requests], device=dev)[:, None]
+        freq = torch.tensor([r.params.frequency_penalty for r in requests], device=dev)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in requests], device=dev)[:, None]
+        sub = logits[rows]
+        # Repetition penalty (CTRL): shrink positive and grow negative logits of tokens seen in prompt or output.
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0)
+        logits[rows] = sub
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        dev = logits.device
+        temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(requests, greedy)],
+                             device=dev)[:, None]
+        scaled = logits / temps
+        top_k = [r.params.top_k for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        min_p = [r.params.min_p for r in requests]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = self._top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        if any(m > 0 for m in min_p):
+            floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs < floor, 0.0, probs)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each row own its noise.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
+                generator=self.generator)
+        for i, r in enumerate(requests):
+            if r.params.seed is not None:
+                if r.generator is None:
+                    r.generator = torch.Generator(device=dev)
+                    r.generator.manual_seed(r.params.seed)
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
+        return sampled
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        dev = logits.device
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[1]
+        k = torch.tensor([t if t > 0 else vocab for t in top_k], device=dev)[:, None]
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+        p = torch.tensor(top_p, device=dev)[:, None]
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token once the mass before it already reaches top_p; the first token always stays.
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,160 @@
+"""Continuous batching, vLLM v1 style: every step maps request ids to a number of new tokens.
+
+Prompt and output tokens are treated alike: a request is scheduled for the tokens it has that are not yet in
+the KV cache. Running requests go first (a decode costs one token), waiting ones fill the rest of the token
+budget, and a long prompt is split across steps, so decodes never stall behind it."""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)  # in batch order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class WaitingQueue:
+    """FCFS: a deque, with preempted requests put back at the front. Priority: a heap on
+    (priority, arrival), so a preempted request also goes back ahead of those that arrived after it."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            self._fifo.appendleft(request) if front else self._fifo.append(request)
+        else:
+            heapq.heappush(self._heap, (*request.sort_key(), next(self._counter), request))
+
+    def peek(self) -> Request:
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.remove(request)
+        else:
+            self._heap = [e for e in self._heap if e[-1] is not request]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: str = "fcfs"):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                self._schedule(out, request, num_new)
+                budget -= num_new
+                i += 1
+
+        # A step that had to preempt has no room for newcomers.
+        while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit = [], 0
+            if request.params.prompt_logprobs is None:  # prompt logprobs need every prompt position's logits
+                hits, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.pop()
+            self.kv_cache.record_admission(request, num_hit)
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit
+                request.times.first_scheduled = time.monotonic()
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule(out, request, num_new)
+            budget -= num_new
+        return out
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        out.requests.append(request)
+        out.num_scheduled_tokens[request.request_id] = num_new
+
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        """Lowest priority first (largest priority value), then the newest; never one already in this step."""
+        candidates = self.running[first_unscheduled:]
+        if self.policy == "priority":
+            return max(candidates, key=Request.sort_key)
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute mode: the blocks go back to the pool but stay cached, so the request, put back at the
+        # front of the queue, usually finds its own prefix there again.
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request, front=True)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stop, length or abort) and release its blocks at once."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.times.finished = time.monotonic()
+        self.kv_cache.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request

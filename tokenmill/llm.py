@@ -1,0 +1,109 @@
+"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`, in one process."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+from tqdm import tqdm
+
+from tokenmill.config import DEFAULT_MODEL, EngineConfig
+from tokenmill.engine.engine import EngineCore, EngineCoreOutput
+from tokenmill.models.loader import load_tokenizer
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.detokenizer import IncrementalDetokenizer
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of sample `index` of an n > 1 request: n=1, and a distinct seed if seeded."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
+        self.config = EngineConfig(model=model, **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.engine.model_info.path, self.config.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        tracked = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
+            tracked.append(self._add(text, ids, params, priority[i] if priority else 0))
+        return self._run(tracked, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {role, content}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            for conv in conversations]
+        params = sampling_params or SamplingParams()
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        tracked = [self._add(p, i, params, 0) for p, i in zip(prompts, ids)]
+        return self._run(tracked, use_tqdm)
+
+    def _add(self, text, ids, params: SamplingParams, priority: int):
+        rid = str(next(self._ids))
+        out = RequestOutput(rid, text, ids, [CompletionOutput(i) for i in range(params.n)])
+        children = {}
+        for i in range(params.n):
+            cp = child_params(params, i)
+            child_id = f"{rid}-{i}" if params.n > 1 else rid
+            self.engine.add_request(child_id, ids, cp, self.tokenizer.eos_token_id, priority)
+            children[child_id] = (i, cp, IncrementalDetokenizer(self.tokenizer, cp, ids))
+        return out, children
+
+    def _run(self, tracked, use_tqdm: bool) -> list[RequestOutput]:
+        by_child = {cid: (out, i, cp, detok) for out, children in tracked
+                    for cid, (i, cp, detok) in children.items()}
+        pending = set(by_child)
+        bar = tqdm(total=len(pending), desc="Generating", disable=not use_tqdm)
+        while pending:
+            for o in self.engine.step():
+                if o.request_id in pending and self._apply(o, *by_child[o.request_id]):
+                    pending.discard(o.request_id)
+                    bar.update(1)
+        bar.close()
+        for out, _ in tracked:
+            out.finished = True
+        return [out for out, _ in tracked]
+
+    def _apply(self, o: EngineCoreOutput, out: RequestOutput, index: int, params: SamplingParams,
+               detok: IncrementalDetokenizer) -> bool:
+        comp = out.outputs[index]
+        comp.token_ids.extend(o.new_token_ids)
+        if o.logprobs:
+            comp.logprobs = (comp.logprobs or []) + [tuple(e) for e in o.logprobs]
+        if o.prompt_logprobs:
+            out.prompt_logprobs = (out.prompt_logprobs or []) + list(o.prompt_logprobs)
+        out.num_cached_tokens = o.num_cached_tokens
+        out.metrics = RequestMetrics(o.arrival_time, o.first_scheduled_time or None, o.first_token_time or None,
+                                     o.finished_time or None)
+        finish = o.finish_reason
+        stop_str = detok.update(o.new_token_ids)
+        if stop_str is not None and finish is None:
+            self.engine.abort_request(o.request_id)
+            finish = "stop"
+            out.metrics.finished_time = time.monotonic()
+        comp.text = detok.text
+        if finish is None:
+            return False
+        comp.finish_reason = "stop" if finish in ("stop", "abort") else finish
+        comp.stop_reason = stop_str if stop_str is not None else (
+            o.new_token_ids[-1] if finish == "stop" and o.new_token_ids and o.new_token_ids[-1] in params.stop_token_ids
+            else None)
+        return True

@@ -1,0 +1,71 @@
+"""GGUF files: config from the metadata, weights dequantized with the gguf package, HF tensor names."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from transformers import AutoConfig
+
+# GGUF architecture → HF architecture and model_type
+_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
+          "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader: GGUFReader):
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; tokenmill supports: {', '.join(_ARCHS)}")
+    hf_arch, model_type = _ARCHS[arch]
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = g("attention.head_count")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    kwargs = dict(
+        architectures=[hf_arch], vocab_size=vocab, hidden_size=g("embedding_length"),
+        intermediate_size=g("feed_forward_length"), num_hidden_layers=g("block_count"),
+        num_attention_heads=heads, num_key_value_heads=g("attention.head_count_kv", heads),
+        rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-6), max_position_embeddings=g("context_length"),
+        rope_theta=g("rope.freq_base", 10000.0), tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+    if g("attention.key_length"):
+        kwargs["head_dim"] = g("attention.key_length")
+    return AutoConfig.for_model(model_type, **kwargs), arch
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp stores Llama q/k rows interleaved per rotary pair; HF's rotate_half wants the halves split.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(reader: GGUFReader, config, arch: str):
+    """Yields (HF name, float32 tensor) for every tensor in the file."""
+    for t in reader.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
+        if m:
+            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        else:
+            base, _, leaf = t.name.rpartition(".")
+            name = f"{_GLOBAL_NAMES[base]}.{leaf}"
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if arch in ("llama", "mistral") and m and m.group(2) in ("attn_q", "attn_k"):
+            heads = config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
+            w = _unpermute(w, heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))

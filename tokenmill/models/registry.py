@@ -1,0 +1,28 @@
+"""Maps config.json's `architectures` to our model classes."""
+from __future__ import annotations
+
+from tokenmill.models.llama import LlamaForCausalLM
+
+
+def _llama_options(config) -> dict:
+    bias = bool(getattr(config, "attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+
+# architecture → (class, options derived from the HF config)
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": (LlamaForCausalLM, _llama_options),
+    "MistralForCausalLM": (LlamaForCausalLM, _llama_options),
+    "Qwen2ForCausalLM": (LlamaForCausalLM, lambda c: {"qkv_bias": True, "o_bias": False, "qk_norm": False}),
+    "Qwen3ForCausalLM": (LlamaForCausalLM, lambda c: {**_llama_options(c), "qk_norm": True}),
+}
+
+
+def resolve_architecture(config):
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            cls, options = MODEL_REGISTRY[arch]
+            return arch, cls, options(config)
+    raise ValueError(f"unsupported model architecture {archs or '(none given)'}; "
+                     f"tokenmill supports: {', '.join(sorted(MODEL_REGISTRY))}")

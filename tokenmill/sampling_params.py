@@ -1,0 +1,79 @@
+"""Per-request sampling options, with vLLM's field names and defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ParamError(ValueError):
+    """An invalid request parameter; `param` names it, as OpenAI's error JSON does."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k alternatives per generated token (the sampled one is always given)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.validate()
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise ParamError(f"n must be at least 1, got {self.n}", "n")
+        if self.temperature < 0:
+            raise ParamError(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            raise ParamError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ParamError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ParamError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ParamError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                             "frequency_penalty")
+        if self.repetition_penalty <= 0:
+            raise ParamError(f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                             "repetition_penalty")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ParamError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ParamError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ParamError(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ParamError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}", "prompt_logprobs")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
