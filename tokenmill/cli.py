@@ -1,0 +1,28 @@
+"""`tokenmill serve | bench ...`: each subcommand's flags and entry point live in its own module."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from tokenmill.server import api_server
+    serve = sub.add_parser("serve", help="serve a model behind the OpenAI API")
+    api_server.add_cli_args(serve)
+    serve.set_defaults(func=api_server.run_from_cli)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    from tokenmill.bench import throughput
+    tp = bench.add_parser("throughput", help="offline throughput of the engine")
+    throughput.add_cli_args(tp)
+    tp.set_defaults(func=throughput.main)
+
+    args = parser.parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
