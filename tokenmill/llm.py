@@ -88,17 +88,18 @@ class LLM:
         comp.token_ids.extend(o.new_token_ids)
         if o.logprobs:
             comp.logprobs = (comp.logprobs or []) + [tuple(e) for e in o.logprobs]
-        if o.prompt_logprobs:
+        if o.prompt_logprobs and index == 0:  # every sample computes them; the request gives them once
             out.prompt_logprobs = (out.prompt_logprobs or []) + list(o.prompt_logprobs)
         out.num_cached_tokens = o.num_cached_tokens
         out.metrics = RequestMetrics(o.arrival_time, o.first_scheduled_time or None, o.first_token_time or None,
                                      o.finished_time or None)
         finish = o.finish_reason
-        stop_str = detok.update(o.new_token_ids)
-        if stop_str is not None and finish is None:
-            self.engine.abort_request(o.request_id)
-            finish = "stop"
-            out.metrics.finished_time = time.monotonic()
+        stop_str = detok.update(o.new_token_ids, stop_terminated=finish == "stop")
+        if stop_str is not None:
+            if finish is None:
+                self.engine.abort_request(o.request_id)
+                out.metrics.finished_time = time.monotonic()
+            finish = "stop"  # also when this token reached max_tokens, as in vLLM
         comp.text = detok.text
         if finish is None:
             return False

@@ -34,6 +34,34 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_time: float = 0.0
 
 
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, priority: int, max_model_len: int,
+                     max_logprobs: int, vocab_size: int, scheduling_policy: str) -> int:
+    """Raises ParamError if the engine cannot take the request; returns its max_tokens. The API server calls
+    it too, so that it can answer 400 before streaming starts."""
+    if not prompt_token_ids:
+        raise ParamError("the prompt is empty", "prompt")
+    n_prompt = len(prompt_token_ids)
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n_prompt
+    if n_prompt + max_tokens > max_model_len:
+        raise ParamError(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                         f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} "
+                         "in the completion). Please reduce the length of the messages or completion.",
+                         "max_tokens" if params.max_tokens is not None else "messages")
+    if max_tokens < 1:
+        raise ParamError(f"the prompt ({n_prompt} tokens) leaves no room to generate within "
+                         f"max_model_len={max_model_len}", "prompt")
+    if (params.logprobs or 0) > max_logprobs or (params.prompt_logprobs or 0) > max_logprobs:
+        raise ParamError(f"at most {max_logprobs} logprobs may be requested", "logprobs")
+    for param, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
+                       ("logit_bias", list(params.logit_bias or ()))):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ParamError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})", param)
+    if scheduling_policy == "fcfs" and priority != 0:
+        raise ParamError("priority is only allowed with --scheduling-policy priority", "priority")
+    return max_tokens
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -49,25 +77,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None = None, priority: int = 0, arrival_time: float | None = None,
                     extra_keys: tuple = ()) -> Request:
-        if not prompt_token_ids:
-            raise ParamError("the prompt is empty", "prompt")
-        n_prompt = len(prompt_token_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
-        if n_prompt + max_tokens > self.max_model_len:
-            raise ParamError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                             f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} "
-                             "in the completion). Please reduce the length of the messages or completion.",
-                             "max_tokens" if params.max_tokens is not None else "messages")
-        if max_tokens < 1:
-            raise ParamError(f"the prompt ({n_prompt} tokens) leaves no room to generate within "
-                             f"max_model_len={self.max_model_len}", "prompt")
-        if (params.logprobs or 0) > self.config.max_logprobs or (params.prompt_logprobs or 0) > self.config.max_logprobs:
-            raise ParamError(f"at most {self.config.max_logprobs} logprobs may be requested", "logprobs")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise ParamError(f"token id {bad[0]} is out of vocabulary (size {self.runner.vocab_size})", "prompt")
-        if self.scheduler.policy == "fcfs" and priority != 0:
-            raise ParamError("priority is only allowed with --scheduling-policy priority", "priority")
+        max_tokens = validate_request(prompt_token_ids, params, priority, self.max_model_len,
+                                      self.config.max_logprobs, self.runner.vocab_size, self.scheduler.policy)
         request = Request(request_id, prompt_token_ids, params, eos_token_id, max_tokens, priority,
                           extra_keys, arrival_time)
         self.scheduler.add_request(request)

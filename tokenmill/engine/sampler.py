@@ -141,7 +141,7 @@ class Sampler:
         dev = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = torch.tensor([t if t > 0 else vocab for t in top_k], device=dev)[:, None]
+        k = torch.tensor([min(t, vocab) if t > 0 else vocab for t in top_k], device=dev)[:, None]
         ranks = torch.arange(vocab, device=dev)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
         p = torch.tensor(top_p, device=dev)[:, None]

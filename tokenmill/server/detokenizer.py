@@ -27,8 +27,12 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of text already handed out by delta()
         self.stop_reason: str | None = None
 
-    def update(self, token_ids: list[int]) -> str | None:
-        """Adds tokens; returns the stop string if one now appears (text is then cut at it)."""
+    def update(self, token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Adds tokens; returns the stop string if one now appears (text is then cut at it). stop_terminated: the
+        last token is the EOS or stop token that ended the request; as in vLLM, its text is left out unless
+        include_stop_str_in_output."""
+        if stop_terminated and not self.include_stop:
+            token_ids = token_ids[:-1]
         for token_id in token_ids:
             piece = self._stream.step(self._backend, token_id)
             if not piece:

@@ -1,0 +1,129 @@
+"""Many clients at once, clients that go away, and an engine process that dies."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+from server_utils import MODEL, server  # noqa: F401 - the fixture
+
+LONG = {"max_tokens": 1500, "ignore_eos": True}
+
+
+def _wait_until_idle(server, timeout_s: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 \
+                and m["vllm:kv_cache_usage_perc"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"engine still busy after disconnects: {m}"
+        time.sleep(0.2)
+
+
+def test_disconnects_abort_requests(server):
+    _wait_until_idle(server)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120,
+                                     limits=httpx.Limits(max_connections=100)) as client:
+            async def stream_then_drop(i: int):
+                path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": f"Story {i}"}]})
+                              if i % 2 else ("/v1/completions", {"prompt": f"Story number {i}:"}))
+                async with client.stream("POST", path, json={"model": MODEL, "stream": True, **LONG, **body}) as r:
+                    assert r.status_code == 200
+                    chunks = 0
+                    async for line in r.aiter_lines():
+                        chunks += line.startswith("data: ")
+                        if chunks >= 3:
+                            return  # leaving the block closes the connection mid-stream
+
+            async def wait_then_drop(i: int):
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post("/v1/completions", timeout=1.5,
+                                      json={"model": MODEL, "prompt": f"Essay {i}:", **LONG})
+
+            await asyncio.gather(*(stream_then_drop(i) for i in range(20)), *(wait_then_drop(i) for i in range(4)))
+
+    asyncio.run(main())
+    _wait_until_idle(server, timeout_s=30)
+
+
+def test_256_concurrent_streams(server):
+    num_clients, max_tokens = 256, 16
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"model": MODEL, "prompt": f"Request {i}: the quick brown fox", "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        text, usage, done = "", None, False
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event["choices"]:
+                    text += event["choices"][0]["text"]
+                else:
+                    usage = event["usage"]
+        assert done and usage["completion_tokens"] == max_tokens
+        return usage["completion_tokens"]
+
+    async def main():
+        limits = httpx.Limits(max_connections=num_clients + 16, max_keepalive_connections=num_clients + 16)
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=600,
+                                     limits=limits) as client:
+            start = time.perf_counter()
+            results = await asyncio.gather(*(one(client, i) for i in range(num_clients)), return_exceptions=True)
+            return time.perf_counter() - start, results
+
+    wall, results = asyncio.run(main())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    tokens = sum(r for r in results if isinstance(r, int))
+    print(f"\n256-client streaming load: {len(results) - len(errors)}/{len(results)} ok, wall {wall:.1f} s, "
+          f"{tokens} output tokens, {tokens / wall:.1f} output tok/s")
+    assert not errors, errors[:3]
+    _wait_until_idle(server)
+
+
+def test_engine_death_fails_requests_with_503(server):
+    """Last on purpose: it kills the shared server's engine (the next user of the fixture gets a new server)."""
+    server.mark_broken()
+    engine = server.engine_process()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=60) as client:
+            async def streaming():
+                events = []
+                async with client.stream("POST", "/v1/completions", json={
+                        "model": MODEL, "prompt": "Once", "stream": True, **LONG}) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            if len(events) == 2:
+                                engine.send_signal(signal.SIGKILL)
+                return events
+
+            async def waiting():
+                await asyncio.sleep(0.5)
+                return await client.post("/v1/completions", json={"model": MODEL, "prompt": "Twice", **LONG})
+
+            return await asyncio.gather(streaming(), waiting())
+
+    events, response = asyncio.run(main())
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "engine" in error["message"]
+    assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
+    r = httpx.post(server.url_for("/v1/completions"), headers=server.headers(),
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+    assert httpx.get(server.url_for("/health")).status_code == 503
+    assert httpx.get(server.url_for("/metrics")).status_code == 503

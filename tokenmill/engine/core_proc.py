@@ -1,0 +1,185 @@
+"""The engine core in its own process, and the messages it exchanges with the API server.
+
+Two ZMQ PUSH/PULL sockets over ipc:// carry msgpack (msgspec, typed Structs below):
+  API server → engine: AddRequest | AbortRequests | StatsQuery
+  engine → API server: EngineReady | EngineStartupFailed (once), then EngineCoreOutputs (one per step)
+The API server binds both sockets; this process connects to them.
+
+The loop: while requests are unfinished, drain the input socket without blocking and run one engine step; when
+idle, block on the input socket (waking once a second to notice a dead parent)."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import EngineCoreOutput
+from tokenmill.sampling_params import ParamError, SamplingParams
+
+logger = logging.getLogger("tokenmill.engine.core_proc")
+
+_IDLE_POLL_MS = 1000  # when idle: how often to check that the API server still lives
+
+
+# ---- API server → engine ----
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    priority: int
+    arrival_time: float  # time.monotonic(): one clock for all processes of a machine
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
+    query_id: int
+
+
+EngineInput = AddRequest | AbortRequests | StatsQuery
+
+
+# ---- engine → API server ----
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    scheduling_policy: str
+    num_blocks: int
+    block_size: int
+
+
+class EngineStartupFailed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+class RequestError(msgspec.Struct, array_like=True):
+    """add_request refused a request (normally the API server has validated it already)."""
+    request_id: str
+    message: str
+    param: str | None = None
+
+
+class StatsReply(msgspec.Struct, array_like=True):
+    query_id: int
+    stats: dict[str, float]
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    errors: list[RequestError] = []
+    stats: list[StatsReply] = []
+
+
+EngineMessage = EngineReady | EngineStartupFailed | EngineCoreOutputs
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
+    """Entry point of the engine process (multiprocessing spawn target)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s engine: %(message)s")
+    # Ctrl-C reaches the whole process group; the API server decides when this process ends (SIGTERM), and
+    # SystemExit lets multiprocessing's finalizers run.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _leave_a_core_for_the_api_server(config)
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from tokenmill.engine.engine import EngineCore
+        engine = EngineCore(config)
+    except BaseException as e:  # noqa: BLE001 - report any failure to load, then exit
+        if isinstance(e, (ValueError, FileNotFoundError)):  # a configuration problem: the message says it all
+            logger.error("engine failed to start: %s", e)
+        else:
+            logger.error("engine failed to start:\n%s", traceback.format_exc())
+        outputs.send(encoder.encode(EngineStartupFailed(f"{type(e).__name__}: {e}")))
+        ctx.destroy(linger=2000)  # closes both sockets, delivering the message first
+        sys.exit(1)
+    outputs.send(encoder.encode(EngineReady(
+        engine.max_model_len, engine.runner.vocab_size, config.max_logprobs, config.scheduling_policy,
+        engine.kv_cache.num_blocks, engine.kv_cache.block_size)))
+    EngineCoreLoop(engine, inputs, outputs, parent_pid).run()
+
+
+def _leave_a_core_for_the_api_server(config: EngineConfig) -> None:
+    """On CPU, torch's threads would take every core and spin-wait in their barriers, starving the API server
+    (tokenization, detokenization, HTTP) that shares the machine; on 2 cores that made decoding ~8x slower.
+    OMP_NUM_THREADS, when set, wins."""
+    if os.environ.get("OMP_NUM_THREADS") or config.device not in ("auto", "cpu"):
+        return
+    import torch
+    if config.device == "auto" and torch.cuda.is_available():
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    torch.set_num_threads(threads)
+    logger.info("using %d torch threads (one core left to the API server; set OMP_NUM_THREADS to override)",
+                threads)
+
+
+class EngineCoreLoop:
+    def __init__(self, engine, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int):
+        self.engine = engine
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.errors: list[RequestError] = []
+        self.stats_queries: list[int] = []
+
+    def run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._wait_for_input()
+            self._drain_inputs()
+            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            if outputs or self.errors or self.stats_queries:
+                stats = [StatsReply(q, self.engine.stats()) for q in self.stats_queries]
+                self.outputs.send(self.encoder.encode(EngineCoreOutputs(outputs, self.errors, stats)), copy=False)
+                self.errors, self.stats_queries = [], []
+
+    def _wait_for_input(self) -> None:
+        while not self.inputs.poll(_IDLE_POLL_MS):
+            if os.getppid() != self.parent_pid:
+                logger.info("the API server is gone; exiting")
+                sys.exit(0)
+
+    def _drain_inputs(self) -> None:
+        while True:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(frame.buffer))
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            try:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.eos_token_id,
+                                        msg.priority, msg.arrival_time)
+            except ParamError as e:
+                self.errors.append(RequestError(msg.request_id, str(e), e.param))
+            except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
+                logger.exception("add_request %s failed", msg.request_id)
+                self.errors.append(RequestError(msg.request_id, f"{type(e).__name__}: {e}"))
+        elif isinstance(msg, AbortRequests):
+            for request_id in msg.request_ids:
+                self.engine.abort_request(request_id)
+        elif isinstance(msg, StatsQuery):
+            self.stats_queries.append(msg.query_id)

@@ -1,0 +1,71 @@
+"""Chat messages → prompt text and token ids, through the tokenizer's chat template."""
+from __future__ import annotations
+
+from tokenmill.sampling_params import ParamError
+from tokenmill.server.protocol import ChatMessage
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _content_text(message: ChatMessage, i: int) -> str:
+    """A message's content as one string: a string as is, text parts joined by newlines."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ParamError(f"messages[{i}].content: only parts of type 'text' are supported, got {part.type!r}",
+                             "messages")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def to_template_messages(tokenizer, messages: list[ChatMessage]) -> list[dict]:
+    """Validated, plain-dict messages for apply_chat_template. 'developer' becomes 'system' for templates that
+    do not know it."""
+    if not messages:
+        raise ParamError("messages must contain at least one message", "messages")
+    template = getattr(tokenizer, "chat_template", None) or ""
+    map_developer = "developer" not in template
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise ParamError(f"messages[{i}].role {m.role!r} is unknown; expected one of {', '.join(ROLES)}",
+                             "messages")
+        role = "system" if m.role == "developer" and map_developer else m.role
+        msg = {"role": role, "content": _content_text(m, i)}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls is not None:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    """The prompt text and its token ids (the template writes the special tokens, so none are added)."""
+    if continue_final_message and add_generation_prompt:
+        raise ParamError("continue_final_message and add_generation_prompt cannot both be true; set "
+                         "add_generation_prompt to false to continue the final message", "continue_final_message")
+    conversation = to_template_messages(tokenizer, messages)
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise ParamError("continue_final_message needs an assistant message last", "continue_final_message")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ParamError("this model has no chat template; use /v1/completions", "messages")
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in ("tokenize", "add_generation_prompt", "continue_final_message", "conversation", "tools"):
+        kwargs.pop(reserved, None)
+    try:
+        text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
+    except Exception as e:  # jinja2 errors, or the template's own raise_exception
+        raise ParamError(f"the chat template failed on these messages: {e}", "messages") from e
+    return text, tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,324 @@
+"""The API server's handle on the engine process: start it, send it requests, route its outputs back.
+
+One asyncio task reads EngineCoreOutputs batches from ZMQ and puts each output on the queue of the
+GenerationStream that owns the request. A GenerationStream fans an API request out into engine requests
+(n samples per prompt), detokenizes their tokens, applies stop strings (aborting the engine request on a
+match), and yields per-sample deltas. Leaving its `with` block aborts whatever is still running, so a client that
+goes away frees its KV blocks at once."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core_proc import (AbortRequests, AddRequest, EngineCoreOutputs, EngineMessage, EngineReady,
+                                        EngineStartupFailed, RequestError, StatsQuery, run_engine_core)
+from tokenmill.engine.engine import EngineCoreOutput
+from tokenmill.llm import child_params
+from tokenmill.sampling_params import ParamError, SamplingParams
+from tokenmill.server.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("tokenmill.server.engine_client")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process has exited; nothing can be served."""
+
+
+@dataclass
+class SampleDelta:
+    """What one sample (one choice) gained since the last delta."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple] | None  # per token: (token_id, logprob, rank, top ids, top logprobs)
+    prompt_logprobs: list | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _Sample:
+    index: int
+    engine_request_id: str
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.ready: EngineReady | None = None
+        self.dead_reason: str | None = None
+        self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
+        self._input_address = f"ipc://{self._tmpdir}/input"
+        self._output_address = f"ipc://{self._tmpdir}/output"
+        self._ctx = zmq.asyncio.Context()
+        # A plain send on a PUSH socket never blocks here (no high-water mark), so aborts can be sent from
+        # synchronous cleanup code, even while a task is being cancelled.
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(self._input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(self._output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._queues: dict[str, asyncio.Queue] = {}  # engine request id → its stream's queue
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._output_task: asyncio.Task | None = None
+
+    # ---- lifecycle ----
+
+    async def start(self, timeout_s: float = 600.0) -> EngineReady:
+        """Spawns the engine process and waits until its model is loaded."""
+        ctx = multiprocessing.get_context("spawn")
+        self._process = ctx.Process(target=run_engine_core, name="tokenmill-engine", daemon=True,
+                                    args=(self.config, self._input_address, self._output_address, os.getpid()))
+        self._process.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await self._output.poll(200):
+                msg = self._decoder.decode(await self._output.recv())
+                if isinstance(msg, EngineReady):
+                    break
+                if isinstance(msg, EngineStartupFailed):
+                    self.shutdown()
+                    raise RuntimeError(f"the engine failed to start: {msg.message}")
+            elif not self._process.is_alive():
+                code = self._process.exitcode
+                self.shutdown()
+                raise RuntimeError(f"the engine process exited with code {code} while loading the model")
+            elif time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"the engine did not become ready within {timeout_s:.0f} s")
+        self.ready = msg
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._process.sentinel, self._on_engine_exit)
+        self._output_task = loop.create_task(self._output_loop(), name="engine-output-loop")
+        self._output_task.add_done_callback(self._on_output_loop_done)
+        return msg
+
+    def shutdown(self) -> None:
+        """Stops the engine process and releases the sockets; safe to call twice."""
+        if self._ctx.closed:
+            return
+        if self._output_task is not None:
+            self._output_task.cancel()
+        proc = self._process
+        if proc is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+            except (RuntimeError, ValueError, OSError):
+                pass
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self.ready is not None
+
+    def _on_engine_exit(self) -> None:
+        proc = self._process
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        proc.join(1)
+        self._fail_all(f"the engine process died (exit code {proc.exitcode})")
+
+    def _on_output_loop_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("reading engine outputs failed", exc_info=task.exception())
+            self._fail_all(f"reading engine outputs failed: {task.exception()!r}")
+
+    def _fail_all(self, reason: str) -> None:
+        """From now on every request fails with EngineDeadError, pending ones included."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("%s; failing %d pending requests", reason, len(self._queues))
+        error = EngineDeadError(reason)
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        for waiter in self._stats_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._stats_waiters.clear()
+
+    def check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    # ---- engine traffic ----
+
+    async def _output_loop(self) -> None:
+        while True:
+            frame = await self._output.recv(copy=False)
+            msg = self._decoder.decode(frame.buffer)
+            if not isinstance(msg, EngineCoreOutputs):
+                continue
+            for out in msg.outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+                    if out.finish_reason is not None:
+                        del self._queues[out.request_id]
+            for err in msg.errors:
+                queue = self._queues.pop(err.request_id, None)
+                if queue is not None:
+                    queue.put_nowait(err)
+            for reply in msg.stats:
+                waiter = self._stats_waiters.pop(reply.query_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(reply.stats)
+
+    def _send(self, msg) -> None:
+        self._input.send(self._encoder.encode(msg), copy=False)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_id: int | None, priority: int, queue: asyncio.Queue) -> None:
+        self.check_alive()
+        self._queues[request_id] = queue
+        self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_id, priority, time.monotonic()))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
+        if request_ids and self.dead_reason is None:
+            self._send(AbortRequests(request_ids))
+
+    async def stats(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """The engine's live counters (EngineCore.stats())."""
+        self.check_alive()
+        query_id = next(self._query_ids)
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters[query_id] = waiter
+        self._send(StatsQuery(query_id))
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        finally:
+            self._stats_waiters.pop(query_id, None)
+
+    def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams, tokenizer,
+                 priority: int = 0) -> GenerationStream:
+        """n samples of each prompt; use as `with client.generate(...) as stream: async for deltas in stream`."""
+        return GenerationStream(self, request_id, prompts, params, tokenizer, priority)
+
+
+@dataclass
+class GenerationStream:
+    """The samples of one API request; choice index = prompt index * n + sample index."""
+    client: EngineClient
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    tokenizer: object
+    priority: int = 0
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    samples: dict[str, _Sample] = field(default_factory=dict)
+    unfinished: set[str] = field(default_factory=set)
+
+    def __post_init__(self):
+        n = self.params.n
+        for p, prompt in enumerate(self.prompts):
+            for i in range(n):
+                params = child_params(self.params, i)
+                engine_id = f"{self.request_id}-{p}-{i}"
+                detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt)
+                self.samples[engine_id] = _Sample(p * n + i, engine_id, params, detokenizer)
+
+    def __enter__(self) -> GenerationStream:
+        eos = self.tokenizer.eos_token_id
+        try:
+            for engine_id, sample in self.samples.items():
+                self.client.add_request(engine_id, self.prompts[sample.index // self.params.n], sample.params, eos,
+                                        self.priority, self.queue)
+                self.unfinished.add(engine_id)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Aborts the samples still running in the engine."""
+        if self.unfinished:
+            self.client.abort(sorted(self.unfinished))
+            self.unfinished.clear()
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> list[SampleDelta]:
+        """The deltas of all samples that moved since the last call (several engine steps if we fell behind)."""
+        if not self.unfinished:
+            raise StopAsyncIteration
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        deltas: dict[str, SampleDelta] = {}
+        for item in items:
+            if isinstance(item, EngineDeadError):
+                self.unfinished.clear()
+                raise item
+            if isinstance(item, RequestError):
+                self.close()
+                raise ParamError(item.message, item.param)
+            if item.request_id in self.unfinished:
+                self._apply(item, deltas)
+        for engine_id, delta in deltas.items():
+            sample = self.samples[engine_id]
+            delta.text = sample.detokenizer.delta(delta.finish_reason is not None)
+        return sorted(deltas.values(), key=lambda d: d.index)
+
+    def _apply(self, out: EngineCoreOutput, deltas: dict[str, SampleDelta]) -> None:
+        sample = self.samples[out.request_id]
+        delta = deltas.get(out.request_id)
+        if delta is None:
+            delta = deltas[out.request_id] = SampleDelta(sample.index, "", [], None, None, None)
+        delta.token_ids.extend(out.new_token_ids)
+        sample.num_tokens += len(out.new_token_ids)
+        if out.logprobs:
+            delta.logprobs = (delta.logprobs or []) + list(out.logprobs)
+        if out.prompt_logprobs:
+            delta.prompt_logprobs = (delta.prompt_logprobs or []) + list(out.prompt_logprobs)
+        finish = out.finish_reason
+        stop_str = sample.detokenizer.update(out.new_token_ids, stop_terminated=finish == "stop")
+        if stop_str is not None:
+            if finish is None:
+                self.client.abort([out.request_id])
+            finish = "stop"  # also when this token reached max_tokens, as in vLLM
+        if finish is None:
+            return
+        self.unfinished.discard(out.request_id)
+        sample.finish_reason = delta.finish_reason = "stop" if finish == "abort" else finish
+        if stop_str is not None:
+            sample.stop_reason = stop_str
+        elif finish == "stop" and out.new_token_ids and out.new_token_ids[-1] in sample.params.stop_token_ids:
+            sample.stop_reason = out.new_token_ids[-1]
+        delta.stop_reason = sample.stop_reason
