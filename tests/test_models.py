@@ -1,0 +1,134 @@
+"""Every supported architecture, as a tiny random HF checkpoint: tokenmill's greedy ids equal HF's."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.registry import MODEL_REGISTRY
+
+PROMPTS = ["The capital of France is",
+           "Once upon a time, in a land far away, there lived a king who had three daughters. The youngest",
+           "def fibonacci(n):"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _tiny_config(arch: str, vocab_size: int, **kw):
+    import transformers
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  initializer_range=0.1)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    return cls(**{**common, **kw})
+
+
+def _build(arch: str, out_dir: str, tokenizer_dir: str, tok, **kw):
+    """A random model whose norms and biases are far from their trivial init, so a loader that drops them
+    gives different tokens. Returns the HF model (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config(arch, len(tok), **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    shutil.copytree(tokenizer_dir, out_dir, dirs_exist_ok=True)
+    assert not any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(out_dir))
+    return model
+
+
+CASES = {
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-untied": ("llama", {"tie_word_embeddings": False}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3-qk-norm-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_model_greedy_matches_hf(case, tokenizer_dir, tokenizer, tmp_path):
+    arch, kw = CASES[case]
+    model = _build(arch, str(tmp_path), tokenizer_dir, tokenizer, **kw)
+    tok = tokenizer
+    if case == "qwen2-qkv-bias":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+        assert model.model.layers[0].self_attn.o_proj.bias is None
+    if case == "qwen3-qk-norm-head-dim":
+        assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 32 != model.config.hidden_size
+    if "tie_word_embeddings" in kw:
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert tied == kw["tie_word_embeddings"]
+
+    prompts = [tok.encode(p) for p in PROMPTS]
+    want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    # a token budget smaller than the longest prompt: chunked prefill on every architecture
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=8)
+    assert llm.engine.model_info.architecture == model.config.architectures[0]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == want
+
+
+def test_every_registered_architecture_is_covered():
+    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM"}
+    assert {names[arch] for arch, _ in CASES.values()} == set(MODEL_REGISTRY)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    from transformers import GPT2Config
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"]
+    with pytest.raises(ValueError) as e:
+        LLM(model=str(tmp_path), dtype="float32", device="cpu")
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg
+    for arch in MODEL_REGISTRY:
+        assert arch in msg
+
+
+class _Tripwire:
+    """Unpickling this creates a directory: proof that a loader called pickle on the file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.makedirs, (self.marker,)
+
+
+def test_pickled_weights_are_refused_and_never_unpickled(tmp_path):
+    _tiny_config("llama", 100).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    marker = str(tmp_path / "UNPICKLED")
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps(_Tripwire(marker)))
+    with pytest.raises(FileNotFoundError) as e:
+        LLM(model=str(tmp_path), dtype="float32", device="cpu")
+    assert "safetensors" in str(e.value)
+    assert not os.path.exists(marker)
