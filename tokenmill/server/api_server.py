@@ -412,12 +412,14 @@ def _sse(obj) -> bytes:
 _DONE = b"data: [DONE]\n\n"
 
 
-def _sse_error(exc: Exception) -> bytes:
+def _sse_error(exc: Exception, request_id: str) -> bytes:
+    """The last event of a stream that failed after its 200 status line went out."""
     if isinstance(exc, ParamError):
         info = p.ErrorInfo(str(exc), "invalid_request_error", exc.param, 400)
     elif isinstance(exc, EngineDeadError):
         info = p.ErrorInfo(f"The server cannot serve requests: {exc}", "service_unavailable_error", None, 503)
     else:
+        logger.exception("internal error while streaming %s", request_id)
         info = p.ErrorInfo("Internal server error; see the server log.", "internal_server_error", None, 500)
     return _sse(p.ErrorResponse(info))
 
@@ -611,9 +613,7 @@ class OpenAIServing:
                     if events:
                         yield b"".join(events)
             except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream, then end it
-                if not isinstance(e, (ParamError, EngineDeadError)):
-                    logger.exception("internal error while streaming %s", stream.request_id)
-                yield _sse_error(e) + _DONE
+                yield _sse_error(e, stream.request_id) + _DONE
                 return
         if include_usage:
             yield _sse(p.CompletionResponse(stream.request_id, created, model, [], self._usage(prompts, num_tokens)))
@@ -687,9 +687,7 @@ class OpenAIServing:
                     if events:
                         yield b"".join(events)
             except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream, then end it
-                if not isinstance(e, (ParamError, EngineDeadError)):
-                    logger.exception("internal error while streaming %s", stream.request_id)
-                yield _sse_error(e) + _DONE
+                yield _sse_error(e, stream.request_id) + _DONE
                 return
         if include_usage:
             yield _sse(p.ChatCompletionUsageChunk(rid, created, model, self._usage([prompt_ids], num_tokens)))
