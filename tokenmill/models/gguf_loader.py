@@ -68,4 +68,4 @@ def gguf_weights(reader: GGUFReader, config, arch: str):
         if arch in ("llama", "mistral") and m and m.group(2) in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
             w = _unpermute(w, heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the file is mapped read-only
