@@ -110,7 +110,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             logger.error("engine failed to start:\n%s", traceback.format_exc())
         outputs.send(encoder.encode(EngineStartupFailed(f"{type(e).__name__}: {e}")))
         ctx.destroy(linger=2000)  # closes both sockets, delivering the message first
-        sys.exit(1)
+        logging.shutdown()
+        # Skip interpreter finalizers: after a failed load, torch's exit hooks can print a spurious traceback
+        # (torch/library.py _del_library) that would bury the reason logged above.
+        os._exit(1)
     outputs.send(encoder.encode(EngineReady(
         engine.max_model_len, engine.runner.vocab_size, config.max_logprobs, config.scheduling_policy,
         engine.kv_cache.num_blocks, engine.kv_cache.block_size)))
