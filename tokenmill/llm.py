@@ -93,18 +93,12 @@ class LLM:
         out.num_cached_tokens = o.num_cached_tokens
         out.metrics = RequestMetrics(o.arrival_time, o.first_scheduled_time or None, o.first_token_time or None,
                                      o.finished_time or None)
-        finish = o.finish_reason
-        stop_str = detok.update(o.new_token_ids, stop_terminated=finish == "stop")
-        if stop_str is not None:
-            if finish is None:
-                self.engine.abort_request(o.request_id)
-                out.metrics.finished_time = time.monotonic()
-            finish = "stop"  # also when this token reached max_tokens, as in vLLM
+        finish, stop_reason = detok.finish(o.new_token_ids, o.finish_reason, params.stop_token_ids)
+        if finish is not None and o.finish_reason is None:
+            self.engine.abort_request(o.request_id)
+            out.metrics.finished_time = time.monotonic()
         comp.text = detok.text
         if finish is None:
             return False
-        comp.finish_reason = "stop" if finish in ("stop", "abort") else finish
-        comp.stop_reason = stop_str if stop_str is not None else (
-            o.new_token_ids[-1] if finish == "stop" and o.new_token_ids and o.new_token_ids[-1] in params.stop_token_ids
-            else None)
+        comp.finish_reason, comp.stop_reason = finish, stop_reason
         return True

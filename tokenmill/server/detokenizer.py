@@ -43,6 +43,20 @@ class IncrementalDetokenizer:
                 return self.stop_reason
         return None
 
+    def finish(self, token_ids: list[int], engine_finish: str | None,
+               stop_token_ids: list[int]) -> tuple[str | None, str | int | None]:
+        """Feeds one engine output; returns (finish_reason, stop_reason), both None while the sample goes on.
+        A finish while engine_finish is None means a stop string matched: the caller must abort the engine
+        request. A stop string on the token that also hit max_tokens still finishes with "stop", as in vLLM."""
+        stop_str = self.update(token_ids, stop_terminated=engine_finish == "stop")
+        if stop_str is not None:
+            return "stop", stop_str
+        if engine_finish is None:
+            return None, None
+        if engine_finish == "stop" and token_ids and token_ids[-1] in stop_token_ids:
+            return "stop", token_ids[-1]
+        return ("stop" if engine_finish == "abort" else engine_finish), None
+
     def _find_stop(self, search_from: int) -> bool:
         best = None
         for s in self.stop:

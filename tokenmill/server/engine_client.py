@@ -307,18 +307,13 @@ class GenerationStream:
             delta.logprobs = (delta.logprobs or []) + list(out.logprobs)
         if out.prompt_logprobs:
             delta.prompt_logprobs = (delta.prompt_logprobs or []) + list(out.prompt_logprobs)
-        finish = out.finish_reason
-        stop_str = sample.detokenizer.update(out.new_token_ids, stop_terminated=finish == "stop")
-        if stop_str is not None:
-            if finish is None:
-                self.client.abort([out.request_id])
-            finish = "stop"  # also when this token reached max_tokens, as in vLLM
+        finish, stop_reason = sample.detokenizer.finish(out.new_token_ids, out.finish_reason,
+                                                         sample.params.stop_token_ids)
         if finish is None:
             return
+        if out.finish_reason is None:
+            self.client.abort([out.request_id])
         self.unfinished.discard(out.request_id)
-        sample.finish_reason = delta.finish_reason = "stop" if finish == "abort" else finish
-        if stop_str is not None:
-            sample.stop_reason = stop_str
-        elif finish == "stop" and out.new_token_ids and out.new_token_ids[-1] in sample.params.stop_token_ids:
-            sample.stop_reason = out.new_token_ids[-1]
+        sample.finish_reason = delta.finish_reason = finish
+        sample.stop_reason = stop_reason
         delta.stop_reason = sample.stop_reason
