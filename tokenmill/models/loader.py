@@ -78,7 +78,7 @@ class ModelInfo:
     path: str
     hf_config: object
     architecture: str
-    is_gguf: bool
+    gguf_arch: str | None  # the GGUF file's architecture; None for an HF directory
 
 
 def load_model_config(model_path: str) -> ModelInfo:
@@ -86,10 +86,10 @@ def load_model_config(model_path: str) -> ModelInfo:
         from gguf import GGUFReader
 
         from tokenmill.models.gguf_loader import gguf_config
-        config, _ = gguf_config(GGUFReader(model_path))
-        return ModelInfo(model_path, config, config.architectures[0], True)
+        config, arch = gguf_config(GGUFReader(model_path))
+        return ModelInfo(model_path, config, config.architectures[0], arch)
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    return ModelInfo(model_path, config, resolve_architecture(config)[0], False)
+    return ModelInfo(model_path, config, resolve_architecture(config)[0], None)
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -124,12 +124,9 @@ def _safetensors_weights(model_path: str):
                 yield name, f.get_tensor(name)
 
 
-def _count_tensors(info: ModelInfo) -> int:
-    if info.is_gguf:
-        from gguf import GGUFReader
-        return len(GGUFReader(info.path).tensors)
+def _count_safetensors(model_path: str) -> int:
     n = 0
-    for path in glob.glob(os.path.join(info.path, "*.safetensors")):
+    for path in glob.glob(os.path.join(model_path, "*.safetensors")):
         with safe_open(path, framework="pt") as f:
             n += len(list(f.keys()))
     return n
@@ -141,15 +138,14 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
         model = cls(info.hf_config, max_positions, **options)
     model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(info.hf_config, max_positions).to(device)  # computed, not loaded
-    if info.is_gguf:
+    if info.gguf_arch:
         from gguf import GGUFReader
 
-        from tokenmill.models.gguf_loader import gguf_config, gguf_weights
+        from tokenmill.models.gguf_loader import gguf_weights
         reader = GGUFReader(info.path)
-        _, arch = gguf_config(reader)
-        weights, total = gguf_weights(reader, info.hf_config, arch), len(reader.tensors)
+        weights, total = gguf_weights(reader, info.hf_config, info.gguf_arch), len(reader.tensors)
     else:
-        weights, total = _safetensors_weights(info.path), _count_tensors(info)
+        weights, total = _safetensors_weights(info.path), _count_safetensors(info.path)
     progress = tqdm(weights, total=total, desc=f"Loading {os.path.basename(info.path.rstrip('/'))}",
                     unit="tensor", disable=os.environ.get("TOKENMILL_NO_PROGRESS") == "1")
     loaded = model.load_weights(progress)
