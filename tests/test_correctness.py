@@ -3,7 +3,6 @@ prompts in one generate call, under chunked prefill, prefix caching and preempti
 against the float32 reference."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -110,10 +109,7 @@ def make_llm(**kw) -> LLM:
 
     def load_once(info, dtype, device, max_positions):
         if dtype not in _WEIGHTS:
-            base = _WEIGHTS.get(torch.float32)
-            # load_model dequantizes to float32 and then casts: casting a float32 copy is the same thing
-            _WEIGHTS[dtype] = (copy.deepcopy(base).to(dtype) if base is not None
-                               else real(info, dtype, device, max_positions))
+            _WEIGHTS[dtype] = real(info, dtype, device, max_positions)
         return _WEIGHTS[dtype]
 
     with pytest.MonkeyPatch.context() as mp:

@@ -2,7 +2,7 @@
 
 Order, as in vLLM: logit_bias and min_tokens masking, repetition/presence/frequency penalties, then greedy
 argmax, or temperature, top-k, top-p, min-p and a draw. Logprobs are of the raw model output.
-A seeded request draws from its own torch.Generator, advanced once per token, so its output does not depend on
+A seeded request draws its uniform from its own torch.Generator, advanced once per token, so its output does not depend on
 what else is in the batch."""
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[in
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
     return [(int(t), chosen[i], ranks[i], top_ids[i][:ks[i]], top_vals[i][:ks[i]])
             for i, t in enumerate(token_ids.tolist())]
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds u * total, per row (float64 keeps the tail exact).
+    A token of probability 0 is never returned: its CDF equals its predecessor's."""
+    cdf = probs.double().cumsum(dim=-1)
+    targets = (uniforms * cdf[:, -1])[:, None]
+    picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    # Rounding can put a target at the very top; fall back to the last token that has any probability.
+    last_possible = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.minimum(picked, last_possible)
 
 
 class Sampler:
@@ -119,19 +130,20 @@ class Sampler:
         if any(m > 0 for m in min_p):
             floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(probs < floor, 0.0, probs)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each row own its noise.
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform per row, from the request's own generator when it is seeded. Drawing a noise
+        # value per vocabulary entry instead cost 80 ms per step for 64 rows on the CPU.
+        uniforms = torch.empty(len(requests), dtype=torch.float64, device=dev)
         unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
-                generator=self.generator)
+            uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=dev,
+                                            generator=self.generator)
         for i, r in enumerate(requests):
             if r.params.seed is not None:
                 if r.generator is None:
                     r.generator = torch.Generator(device=dev)
                     r.generator.manual_seed(r.params.seed)
-                noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+                uniforms[i] = torch.rand(1, dtype=torch.float64, device=dev, generator=r.generator)[0]
+        sampled = sample_inverse_cdf(probs, uniforms)
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
         return sampled

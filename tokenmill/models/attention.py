@@ -29,6 +29,12 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids] as whole-block row copies: on the CPU, index_select of flat rows moves the bytes about
+    twice as fast as advanced indexing, and this gather is most of decode attention's time."""
+    return cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, *cache.shape[1:])
+
+
 class TorchSDPABackend:
     """Gathers each sequence's blocks and calls torch's scaled_dot_product_attention; runs on CPU and CUDA."""
 
@@ -50,8 +56,9 @@ class TorchSDPABackend:
         if d:
             num_blocks = meta.decode_block_tables.shape[1]
             kv_shape = (d, num_blocks * k_cache.shape[1], k_cache.shape[2], k_cache.shape[3])
-            keys = k_cache[meta.decode_block_tables].view(kv_shape).transpose(1, 2)
-            values = v_cache[meta.decode_block_tables].view(kv_shape).transpose(1, 2)
+            flat_table = meta.decode_block_tables.flatten()
+            keys = gather_blocks(k_cache, flat_table).view(kv_shape).transpose(1, 2)
+            values = gather_blocks(v_cache, flat_table).view(kv_shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                                scale=scale, enable_gqa=gqa)
             out[:d] = o.squeeze(2)
@@ -61,8 +68,8 @@ class TorchSDPABackend:
             if chunk.context_len == e - s:  # nothing cached before this chunk: plain causal attention
                 ks, vs, mask, causal = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), None, True
             else:
-                ks = k_cache[chunk.block_ids].flatten(0, 1)[:chunk.context_len].transpose(0, 1)
-                vs = v_cache[chunk.block_ids].flatten(0, 1)[:chunk.context_len].transpose(0, 1)
+                ks = gather_blocks(k_cache, chunk.block_ids).flatten(0, 1)[:chunk.context_len].transpose(0, 1)
+                vs = gather_blocks(v_cache, chunk.block_ids).flatten(0, 1)[:chunk.context_len].transpose(0, 1)
                 first_pos = chunk.context_len - (e - s)
                 qpos = torch.arange(first_pos, chunk.context_len, device=q.device)
                 kpos = torch.arange(chunk.context_len, device=q.device)

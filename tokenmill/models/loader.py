@@ -152,4 +152,6 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    model.pack_weights()
+    return model
