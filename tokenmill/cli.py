@@ -19,8 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     tp = bench.add_parser("throughput", help="offline throughput of the engine")
     throughput.add_cli_args(tp)
     tp.set_defaults(func=throughput.main)
+    from tokenmill.bench import serve as bench_serve
+    bs = bench.add_parser("serve", help="goodput of an OpenAI-compatible endpoint: sweeps, SLOs, reports",
+                          allow_abbrev=False)  # with --launch, unknown flags go to `tokenmill serve` whole
+    bench_serve.add_cli_args(bs)
+    bs.set_defaults(func=bench_serve.main)
 
-    args = parser.parse_args(argv)
+    # Only `bench serve --launch` takes flags it does not know: they are passed to `tokenmill serve`.
+    args, extra = parser.parse_known_args(argv)
+    if args.func is bench_serve.main:
+        return args.func(args, extra) or 0
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args) or 0
 
 

@@ -1,0 +1,154 @@
+"""The numbers of one benchmark level, from per-request timestamps: latency percentiles, throughput, goodput
+under an SLO, and the knee of a sweep. Pure functions over plain data, so they are tested on synthetic timings."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+PERCENTILES = (50, 90, 95, 99)
+SLO_METRICS = ("ttft", "itl", "tpot", "e2e")
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times are time.perf_counter() seconds."""
+    start: float
+    token_times: list[float] = field(default_factory=list)  # arrival of every streamed chunk with text
+    end: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0  # the server's usage count when it sends one, else the chunks seen
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end is not None and bool(self.token_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first; None for a single-token answer."""
+        if self.output_tokens < 2:
+            return None
+        return (self.end - self.token_times[0]) / (self.output_tokens - 1)
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default), so p50 of [1, 2] is 1.5."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(values_s: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles, converted from seconds to milliseconds."""
+    ms = [v * 1000 for v in values_s]
+    out: dict[str, float | None] = {"mean": sum(ms) / len(ms) if ms else None}
+    for p in PERCENTILES:
+        out[f"p{p}"] = percentile(ms, p)
+    return out
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft_p99_ms=2000,itl_p50_ms=100' → {'ttft_p99_ms': 2000.0, 'itl_p50_ms': 100.0}."""
+    slo: dict[str, float] = {}
+    for part in filter(None, (text or "").split(",")):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        match = re.fullmatch(r"(\w+?)_p(\d+(?:\.\d+)?)_ms", key)
+        if not sep or not match or match.group(1) not in SLO_METRICS:
+            raise ValueError(f"bad SLO term {part!r}: expected <{'|'.join(SLO_METRICS)}>_p<N>_ms=<milliseconds>")
+        slo[key] = float(value)
+    return slo
+
+
+def _slo_terms(slo: dict[str, float]):
+    for key, limit_ms in slo.items():
+        metric, p = re.fullmatch(r"(\w+?)_p(\d+(?:\.\d+)?)_ms", key).groups()
+        yield key, metric, float(p), limit_ms
+
+
+def request_meets_slo(r: RequestRecord, slo: dict[str, float]) -> bool:
+    """A request is good when its own TTFT, TPOT and E2E are within the limits and the given percentile of its
+    own inter-token gaps is too (DistServe's per-request goodput)."""
+    if not r.ok:
+        return False
+    for _, metric, p, limit_ms in _slo_terms(slo):
+        if metric == "itl":
+            value = percentile(r.itls, p)
+        else:
+            value = getattr(r, metric)
+        if value is not None and value * 1000 > limit_ms:
+            return False
+    return True
+
+
+def level_meets_slo(level: dict, slo: dict[str, float]) -> bool:
+    """A level meets the SLO when every term holds over the whole level: p99 TTFT of all requests, p50 of all
+    inter-token gaps pooled, and so on. A level with failed requests does not."""
+    if level["errors"] or not level["completed"]:
+        return False
+    for key, metric, p, limit_ms in _slo_terms(slo):
+        value = level[f"{metric}_ms"].get(f"p{p:g}")
+        if value is None or value > limit_ms:
+            return False
+    return True
+
+
+def level_metrics(records: list[RequestRecord], duration_s: float, slo: dict[str, float],
+                  concurrency: int | None = None, request_rate: float | None = None) -> dict:
+    """Everything reported for one level; throughput counts only completed requests over the level's wall time."""
+    done = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.input_tokens for r in done)
+    good = [r for r in done if request_meets_slo(r, slo)]
+    level = {
+        "concurrency": concurrency, "request_rate": request_rate,
+        "num_requests": len(records), "completed": len(done), "errors": len(records) - len(done),
+        "duration_s": duration_s,
+        "requests_per_s": len(done) / duration_s if duration_s else 0.0,
+        "output_tok_per_s": out_tokens / duration_s if duration_s else 0.0,
+        "total_tok_per_s": (in_tokens + out_tokens) / duration_s if duration_s else 0.0,
+        "mean_input_len": in_tokens / len(done) if done else None,
+        "mean_output_len": out_tokens / len(done) if done else None,
+        "ttft_ms": summarize([r.ttft for r in done]),
+        "itl_ms": summarize([gap for r in done for gap in r.itls]),
+        "tpot_ms": summarize([t for r in done if (t := r.tpot) is not None]),
+        "e2e_ms": summarize([r.e2e for r in done]),
+        "goodput_tok_per_s": sum(r.output_tokens for r in good) / duration_s if duration_s else 0.0,
+        "goodput_req_pct": 100.0 * len(good) / len(records) if records else 0.0,
+    }
+    level["meets_slo"] = level_meets_slo(level, slo)
+    return level
+
+
+def find_knee(levels: list[dict]) -> dict | None:
+    """The last level that meets the SLO, in the order run (rising load)."""
+    meeting = [lv for lv in levels if lv["meets_slo"]]
+    return meeting[-1] if meeting else None
+
+
+def sweep_should_stop(levels: list[dict]) -> bool:
+    """Stop raising the load once the server is saturated (goodput under half the throughput, or TTFT p99
+    double the first level's) and the knee is behind us (the last level missed the SLO)."""
+    last = levels[-1]
+    if last["meets_slo"]:
+        return False
+    base = levels[0]["ttft_ms"]["p99"]
+    ttft = last["ttft_ms"]["p99"]
+    doubled = base is not None and ttft is not None and ttft >= 2 * base
+    return last["goodput_tok_per_s"] < 0.5 * last["output_tok_per_s"] or doubled or not last["completed"]
