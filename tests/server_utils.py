@@ -37,6 +37,7 @@ class RemoteServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.broken = False
+        self.seen_loading = False
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-serve-", suffix=".log", delete=False)
         exe = os.path.join(os.path.dirname(sys.executable), "tokenmill")
         cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tokenmill.cli"]
@@ -51,8 +52,10 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tokenmill serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
                     return
+                # alive but not ready: the model is loading
+                self.seen_loading = self.seen_loading or httpx.get(self.url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)

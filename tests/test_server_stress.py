@@ -94,9 +94,12 @@ def test_256_concurrent_streams(server):
 
 
 def test_engine_death_fails_requests_with_503(server):
-    """Last on purpose: it kills the shared server's engine (the next user of the fixture gets a new server)."""
+    """Last on purpose: it kills the shared server's engine (the next user of the fixture gets a new server).
+    kill -9 on the engine: the stream in flight and the request waiting both get 503 within 5 s, and the server
+    exits non-zero so that an orchestrator restarts it."""
     server.mark_broken()
     engine = server.engine_process()
+    killed_at = []
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=60) as client:
@@ -109,21 +112,21 @@ def test_engine_death_fails_requests_with_503(server):
                             events.append(line[6:])
                             if len(events) == 2:
                                 engine.send_signal(signal.SIGKILL)
-                return events
+                                killed_at.append(time.monotonic())
+                return events, time.monotonic()
 
             async def waiting():
                 await asyncio.sleep(0.5)
-                return await client.post("/v1/completions", json={"model": MODEL, "prompt": "Twice", **LONG})
+                r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Twice", **LONG})
+                return r, time.monotonic()
 
             return await asyncio.gather(streaming(), waiting())
 
-    events, response = asyncio.run(main())
+    (events, stream_end), (response, response_end) = asyncio.run(main())
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == 503 and "engine" in error["message"]
     assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
-    r = httpx.post(server.url_for("/v1/completions"), headers=server.headers(),
-                   json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
-    assert httpx.get(server.url_for("/health")).status_code == 503
-    assert httpx.get(server.url_for("/metrics")).status_code == 503
+    assert response.json()["error"]["type"] == "service_unavailable_error"
+    assert stream_end - killed_at[0] < 5 and response_end - killed_at[0] < 5
+    assert server.proc.wait(30) != 0

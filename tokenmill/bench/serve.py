@@ -47,6 +47,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--think-time", type=float, default=1.0, help="multiturn: seconds between turns")
     parser.add_argument("--num-prompts", type=int, default=200,
                         help="requests per level (multiturn: sessions per level)")
+    parser.add_argument("--requests-per-stream", type=int, default=None,
+                        help="concurrency mode: run N x concurrency requests per level instead of --num-prompts, "
+                             "so every level lasts about as many rounds")
     parser.add_argument("--concurrency", default="1,4,8", help="closed-loop levels, comma-separated")
     parser.add_argument("--sweep", action="store_true",
                         help="double the concurrency from the first level until the server saturates")
@@ -263,7 +266,8 @@ def hardware() -> dict:
 
 
 def dataset_info(args) -> dict:
-    info = {"name": args.dataset, "num_prompts": args.num_prompts, "input_len": args.input_len,
+    info = {"name": args.dataset, "num_prompts": args.num_prompts, "requests_per_stream": args.requests_per_stream,
+            "input_len": args.input_len,
             "input_len_stddev": args.input_len_stddev, "output_len": args.output_len,
             "output_len_stddev": args.output_len_stddev, "ignore_eos": args.ignore_eos,
             "temperature": args.temperature}
@@ -297,7 +301,10 @@ def benchmark_endpoint(name: str | None, base_url: str, args, pool: datasets.Wor
     while index < len(plan):
         value = plan[index]
         # Fresh prompts per level: a server's prefix cache must not carry over from the previous level.
-        sessions = datasets.build_sessions(args, pool, max(args.num_prompts, 1), args.seed + index)
+        count = args.num_prompts
+        if args.requests_per_stream and not args.request_rate:
+            count = args.requests_per_stream * int(value)
+        sessions = datasets.build_sessions(args, pool, max(count, 1), args.seed + index)
         if args.request_rate:
             level = run_level(endpoint, sessions, slo, rate=value, args=args, seed=args.seed + index,
                               desc=f"{engine} rate={value:g}")

@@ -13,13 +13,14 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
 import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.engine import EngineCoreOutput
+from tokenmill.engine.engine import EngineCoreOutput, SchedulerStats
 from tokenmill.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("tokenmill.engine.core_proc")
@@ -58,6 +59,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     scheduling_policy: str
     num_blocks: int
     block_size: int
+    enable_prefix_caching: bool
 
 
 class EngineStartupFailed(msgspec.Struct, tag="failed", array_like=True):
@@ -73,13 +75,15 @@ class RequestError(msgspec.Struct, array_like=True):
 
 class StatsReply(msgspec.Struct, array_like=True):
     query_id: int
-    stats: dict[str, float]
+    stats: SchedulerStats
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     errors: list[RequestError] = []
     stats: list[StatsReply] = []
+    timestamp: float = 0.0  # time.monotonic() when the step ended: the time of every token in `outputs`
+    scheduler_stats: SchedulerStats | None = None  # after a step; None when no step ran
 
 
 EngineMessage = EngineReady | EngineStartupFailed | EngineCoreOutputs
@@ -87,7 +91,8 @@ EngineMessage = EngineReady | EngineStartupFailed | EngineCoreOutputs
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
     """Entry point of the engine process (multiprocessing spawn target)."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s engine: %(message)s")
+    from tokenmill.server.logs import configure_logging
+    configure_logging()  # the API server's --log-format, through the environment
     # Ctrl-C reaches the whole process group; the API server decides when this process ends (SIGTERM), and
     # SystemExit lets multiprocessing's finalizers run.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -116,7 +121,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         os._exit(1)
     outputs.send(encoder.encode(EngineReady(
         engine.max_model_len, engine.runner.vocab_size, config.max_logprobs, config.scheduling_policy,
-        engine.kv_cache.num_blocks, engine.kv_cache.block_size)))
+        engine.kv_cache.num_blocks, engine.kv_cache.block_size, config.enable_prefix_caching)))
     EngineCoreLoop(engine, inputs, outputs, parent_pid).run()
 
 
@@ -151,10 +156,13 @@ class EngineCoreLoop:
             if not self.engine.has_unfinished_requests():
                 self._wait_for_input()
             self._drain_inputs()
-            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-            if outputs or self.errors or self.stats_queries:
-                stats = [StatsReply(q, self.engine.stats()) for q in self.stats_queries]
-                self.outputs.send(self.encoder.encode(EngineCoreOutputs(outputs, self.errors, stats)), copy=False)
+            stepped = self.engine.has_unfinished_requests()
+            outputs = self.engine.step() if stepped else []
+            if stepped or self.errors or self.stats_queries:
+                stats = [StatsReply(q, self.engine.scheduler_stats()) for q in self.stats_queries]
+                sched_stats = self.engine.scheduler_stats(self.engine.last_step_tokens) if stepped else None
+                msg = EngineCoreOutputs(outputs, self.errors, stats, time.monotonic(), sched_stats)
+                self.outputs.send(self.encoder.encode(msg), copy=False)
                 self.errors, self.stats_queries = [], []
 
     def _wait_for_input(self) -> None:

@@ -34,8 +34,20 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_time: float = 0.0
 
 
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """The engine's state after a step; counters are cumulative since start, so a lost message loses nothing."""
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    step_tokens: int = 0  # tokens this step computed (prompt and generated): vllm:iteration_tokens_total
+
+
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, priority: int, max_model_len: int,
-                     max_logprobs: int, vocab_size: int, scheduling_policy: str) -> int:
+                     max_logprobs: int, vocab_size: int, scheduling_policy: str,
+                     kv_capacity_tokens: int | None = None) -> int:
     """Raises ParamError if the engine cannot take the request; returns its max_tokens. The API server calls
     it too, so that it can answer 400 before streaming starts."""
     if not prompt_token_ids:
@@ -47,6 +59,12 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, priori
                          f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} "
                          "in the completion). Please reduce the length of the messages or completion.",
                          "max_tokens" if params.max_tokens is not None else "messages")
+    if kv_capacity_tokens is not None and n_prompt + max_tokens > kv_capacity_tokens:
+        # Admitting it would stall the queue forever: the pool could never hold it, even empty.
+        raise ParamError(f"The request needs {n_prompt + max_tokens} tokens of KV cache ({n_prompt} in the prompt, "
+                         f"{max_tokens} to generate), more than the whole KV cache holds ({kv_capacity_tokens} "
+                         "tokens). Lower max_tokens or shorten the prompt.",
+                         "max_tokens" if params.max_tokens is not None else "prompt")
     if max_tokens < 1:
         raise ParamError(f"the prompt ({n_prompt} tokens) leaves no room to generate within "
                          f"max_model_len={max_model_len}", "prompt")
@@ -73,12 +91,14 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy)
         self.num_steps = 0
+        self.last_step_tokens = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None = None, priority: int = 0, arrival_time: float | None = None,
                     extra_keys: tuple = ()) -> Request:
         max_tokens = validate_request(prompt_token_ids, params, priority, self.max_model_len,
-                                      self.config.max_logprobs, self.runner.vocab_size, self.scheduler.policy)
+                                      self.config.max_logprobs, self.runner.vocab_size, self.scheduler.policy,
+                                      self.kv_cache.num_blocks * self.kv_cache.block_size)
         request = Request(request_id, prompt_token_ids, params, eos_token_id, max_tokens, priority,
                           extra_keys, arrival_time)
         self.scheduler.add_request(request)
@@ -92,6 +112,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
+        self.last_step_tokens = sum(sched.num_scheduled_tokens.values())
         if not sched.requests:
             return []
         block_tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.requests}
@@ -131,6 +152,11 @@ class EngineCore:
         return EngineCoreOutput(r.request_id, tokens, r.finish_reason, logprobs, prompt_logprobs,
                                 r.num_cached_tokens, t.arrival, t.first_scheduled or 0.0, t.first_token or 0.0,
                                 t.finished or 0.0)
+
+    def scheduler_stats(self, step_tokens: int = 0) -> SchedulerStats:
+        s, kv = self.scheduler, self.kv_cache
+        return SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.prefix_cache_queries,
+                              kv.prefix_cache_hits, s.num_preemptions, step_tokens)
 
     def stats(self) -> dict:
         s = self.scheduler

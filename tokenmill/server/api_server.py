@@ -12,12 +12,12 @@ import hmac
 import json
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import uvicorn
@@ -36,12 +36,18 @@ from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server import protocol as p
 from tokenmill.server.chat_utils import render_chat
 from tokenmill.server.engine_client import EngineClient, EngineDeadError, GenerationStream
+from tokenmill.server.errors import Overloaded, error_response
+from tokenmill.server.lifecycle import RETRY_AFTER_S, DrainingServer, Lifecycle, LifecycleApp
+from tokenmill.server.logs import configure_logging, request_id_var
+from tokenmill.server.tracing import RequestTrace, make_tracer
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.server.metrics import ServerMetrics
 
 logger = logging.getLogger("tokenmill.server")
 
 DEFAULT_MAX_N = 128  # OpenAI's own limit for n
+# One self-contained page (no CDN): live charts computed in the browser from /metrics.
+DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_bytes()
 
 
 # ============================== CLI ==============================
@@ -60,6 +66,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS headers, a JSON list")
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for")
+    parser.add_argument("--max-num-queued-reqs", type=int, default=None,
+                        help="answer 503 (overloaded_error, Retry-After) past this many requests waiting for their "
+                             "first token (default: no limit)")
+    parser.add_argument("--max-num-queued-tokens", type=int, default=None,
+                        help="the same, counting the prompt tokens of those requests")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to let in-flight requests finish before failing them")
+    parser.add_argument("--disable-log-stats", action="store_true", help="no stats line every 10 s")
+    parser.add_argument("--otlp-traces-endpoint", default=None,
+                        help="export a span per request over OTLP/HTTP to this URL (default: OTEL_EXPORTER_OTLP_"
+                             "TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing)")
+    parser.add_argument("--otlp-traces-include-text", action="store_true",
+                        help="also record prompt and completion text in spans (never done otherwise)")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
 
@@ -73,7 +93,7 @@ def run_from_cli(args: argparse.Namespace) -> int:
         args.api_key = os.environ.get("TOKENMILL_API_KEY") or None
     if args.max_n < 1:
         raise SystemExit("error: --max-n must be at least 1")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    configure_logging(args.log_format)
     try:
         config = EngineConfig.from_cli_args(args)
     except ValueError as e:
@@ -89,13 +109,8 @@ def run_from_cli(args: argparse.Namespace) -> int:
         return 0
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(0)
-
-
 def _bind(host: str, port: int) -> socket.socket:
-    """Binds the port now, so that a taken port fails before the model loads; it listens only once uvicorn
-    starts, after the engine is ready."""
+    """Binds the port now, so that a taken port fails before the model loads."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -103,41 +118,77 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+STATS_LOG_INTERVAL_S = float(os.environ.get("TOKENMILL_STATS_LOG_INTERVAL_S", "10"))  # vLLM's 10 s
+
+
+async def _log_stats(metrics: ServerMetrics) -> None:
+    while True:
+        line = metrics.stats_line(time.monotonic())
+        if line:
+            logger.info("%s", line)
+        await asyncio.sleep(STATS_LOG_INTERVAL_S)
+
+
 async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    # SIGTERM becomes SystemExit, so that the `finally` below stops the engine process. (After its graceful
-    # shutdown, uvicorn re-raises the signal it caught, which would otherwise kill this process on the spot.)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         model_path = resolve_model_path(config.model)
         sock = _bind(args.host, args.port)
     except (FileNotFoundError, OSError) as e:
         logger.error("%s", e)
         return 1
+    lifecycle = Lifecycle(args.shutdown_timeout)
+    root = LifecycleApp(lifecycle)
+    # log_config=None: uvicorn's loggers keep our handler (text or JSON, with request ids)
+    server = DrainingServer(uvicorn.Config(root, log_level=args.uvicorn_log_level, timeout_keep_alive=30,
+                                           lifespan="off", timeout_graceful_shutdown=5, log_config=None), lifecycle)
     client = EngineClient(config)
+    lifecycle.engine_alive = lambda: client.dead_reason is None
+    # The port answers from now on: /health is 200 and /health/ready 503 while the model loads.
+    http = asyncio.create_task(server.serve(sockets=[sock]))
+    stats_task, state = None, None
     try:
         # The tokenizer loads here while the engine process loads the model.
         tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path, config.tokenizer))
+        starting = asyncio.create_task(client.start())
+        await asyncio.wait([starting, http], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # SIGTERM or Ctrl-C while loading
+            starting.cancel()
+            tokenizer_task.cancel()
+            return 0
         try:
-            ready = await client.start()
+            ready = starting.result()
+            tokenizer = await tokenizer_task
         except RuntimeError as e:
             tokenizer_task.cancel()
             logger.error("%s", e)
             return 1
-        try:
-            tokenizer = await tokenizer_task
         except Exception as e:  # noqa: BLE001 - any failure to load the tokenizer ends the server here
             logger.error("could not load the tokenizer: %s: %s", type(e).__name__, e)
             return 1
         logger.info("engine ready: max_model_len=%d, %d KV blocks of %d tokens", ready.max_model_len,
                     ready.num_blocks, ready.block_size)
         names = args.served_model_name or [DEFAULT_MODEL if config.model in (DEFAULT_MODEL, None) else config.model]
-        state = ServerState(client, tokenizer, ready, names, config.model, args.max_n, args.api_key)
-        app = build_app(state, args)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30))
+        state = ServerState(client, tokenizer, ready, names, config.model, args.max_n, args.api_key,
+                            args.max_num_queued_reqs, args.max_num_queued_tokens,
+                            make_tracer(args.otlp_traces_endpoint, args.otlp_traces_include_text))
+        client.on_dead = lifecycle.engine_died
+        lifecycle.fail_pending = client.fail_pending
+        root.inner = build_app(state, args)
+        if lifecycle.phase == "loading":
+            lifecycle.phase = "ready"
+        if not args.disable_log_stats:
+            stats_task = asyncio.create_task(_log_stats(state.metrics))
         logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
-        await server.serve(sockets=[sock])
-        return 0
+        await http
+        return lifecycle.exit_code
     finally:
+        if stats_task is not None:
+            stats_task.cancel()
+        if state is not None and state.tracer is not None:
+            state.tracer.shutdown()
+        if not http.done():
+            server.should_exit = True
+            await http
         client.shutdown()
         sock.close()
 
@@ -153,11 +204,17 @@ class ServerState:
     model_root: str
     max_n: int = DEFAULT_MAX_N
     api_key: str | None = None
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    tracer: object | None = None  # a RequestTracer when tracing is on
     metrics: ServerMetrics = field(init=False)
     _token_strs: dict[int, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self):
-        self.metrics = ServerMetrics(self.model_names[0])
+        e = self.engine
+        self.metrics = ServerMetrics(self.model_names[0], e.max_model_len, e.num_blocks, e.block_size,
+                                     e.enable_prefix_caching)
+        self.client.metrics = self.metrics
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names and model != self.model_root:
@@ -173,7 +230,18 @@ class ServerState:
         """The engine's own checks (context length, logprobs, vocabulary, priority), before anything is sent."""
         e = self.engine
         validate_request(prompt_ids, params, priority, e.max_model_len, e.max_logprobs, e.vocab_size,
-                         e.scheduling_policy)
+                         e.scheduling_policy, e.num_blocks * e.block_size)
+
+    def check_queue(self, prompts: list[list[int]]) -> None:
+        """Backpressure: refuse work past the queue limits instead of queueing without bound."""
+        queued_reqs, queued_tokens = self.client.num_queued_requests, self.client.num_queued_tokens
+        if self.max_num_queued_reqs is not None and queued_reqs + len(prompts) > self.max_num_queued_reqs:
+            raise Overloaded(f"The server is overloaded: {queued_reqs} requests are queued "
+                             f"(--max-num-queued-reqs {self.max_num_queued_reqs}); retry later.")
+        new_tokens = sum(len(ids) for ids in prompts)
+        if self.max_num_queued_tokens is not None and queued_tokens + new_tokens > self.max_num_queued_tokens:
+            raise Overloaded(f"The server is overloaded: {queued_tokens} prompt tokens are queued "
+                             f"(--max-num-queued-tokens {self.max_num_queued_tokens}); retry later.")
 
 
 class ModelNotFound(Exception):
@@ -195,11 +263,6 @@ def build_app(state: ServerState, args: argparse.Namespace | None = None) -> Fas
 
 
 # ============================== errors ==============================
-
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> Response:
-    body = p.ErrorResponse(p.ErrorInfo(message, type_, param, status))
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
-
 
 def _validation_error_response(exc: RequestValidationError) -> Response:
     """pydantic's 422 becomes OpenAI's 400, naming the first offending field."""
@@ -231,6 +294,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelNotFound)
     async def on_model_not_found(request: Request, exc: ModelNotFound):
         return error_response(404, str(exc), "NotFoundError", "model")
+
+    @app.exception_handler(Overloaded)
+    async def on_overloaded(request: Request, exc: Overloaded):
+        response = error_response(503, str(exc), "overloaded_error")
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):
@@ -268,7 +337,11 @@ class RequestIdMiddleware:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = request_id_var.set(request_id.decode(errors="replace"))
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            request_id_var.reset(token)
 
 
 class ApiKeyMiddleware:
@@ -354,13 +427,17 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise EngineDeadError(state.client.dead_reason or "the engine is not running")
         return Response(status_code=200)
 
+    @app.get("/dashboard")
+    async def dashboard():
+        return Response(DASHBOARD_HTML, media_type="text/html")
+
     @app.get("/version")
     async def version():
         return {"version": tokenmill.__version__}
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.update_from_engine(await state.client.stats())
+        state.metrics.record_step(await state.client.stats())
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -482,13 +559,35 @@ class OpenAIServing:
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens)
 
-    def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-               priority: int) -> GenerationStream:
+    def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+               raw: Request, operation: str) -> GenerationStream:
         """Validates every prompt first, so that a bad one fails the request before anything reaches the engine."""
-        self.state.client.check_alive()
+        state = self.state
+        state.client.check_alive()
         for ids in prompts:
-            self.state.validate(ids, params, priority)
-        return self.state.client.generate(request_id, prompts, params, self.state.tokenizer, priority)
+            state.validate(ids, params, priority)
+        state.check_queue([ids for ids in prompts for _ in range(params.n)])
+        stream = state.client.generate(request_id, prompts, params, state.tokenizer, priority)
+        if state.tracer is not None:
+            stream.trace = RequestTrace(
+                request_id, operation, state.model_names[0], dict(raw.headers), params.max_tokens,
+                params.temperature, params.top_p, params.n, input_tokens=sum(len(ids) for ids in prompts))
+            if state.tracer.include_text:
+                stream.trace.prompt_text = "".join(state.tokenizer.decode(ids) for ids in prompts)
+            stream.on_close = self._record_trace
+        return stream
+
+    def _record_trace(self, stream: GenerationStream) -> None:
+        t = stream.trace
+        samples = sorted(stream.samples.values(), key=lambda s: s.index)
+        t.output_tokens = sum(s.num_tokens for s in samples)
+        t.finish_reasons = [s.finish_reason or "abort" for s in samples]
+        if self.state.tracer.include_text:
+            t.completion_text = "".join(s.detokenizer.text for s in samples)
+        try:
+            self.state.tracer.record(t)
+        except Exception:  # noqa: BLE001 - tracing must never fail a request
+            logger.exception("could not record the trace of %s", stream.request_id)
 
     @staticmethod
     def _usage(prompts: list[list[int]], num_completion_tokens: int) -> p.Usage:
@@ -540,7 +639,7 @@ class OpenAIServing:
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self._start(request_id, prompts, params, req.priority)
+        stream = self._start(request_id, prompts, params, req.priority, raw, "text_completion")
         echo_texts = [state.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         model, created, n = state.model_names[0], int(time.time()), params.n
         if req.stream:
@@ -638,7 +737,7 @@ class OpenAIServing:
             raise ParamError(f"{param} must be at least 1, got {max_tokens}", param)
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._start(request_id, [prompt_ids], params, req.priority)
+        stream = self._start(request_id, [prompt_ids], params, req.priority, raw, "chat")
         model, created = state.model_names[0], int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

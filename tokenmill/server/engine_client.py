@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -24,10 +25,12 @@ import zmq.asyncio
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import (AbortRequests, AddRequest, EngineCoreOutputs, EngineMessage, EngineReady,
                                         EngineStartupFailed, RequestError, StatsQuery, run_engine_core)
-from tokenmill.engine.engine import EngineCoreOutput
+from tokenmill.engine.engine import EngineCoreOutput, SchedulerStats
 from tokenmill.llm import child_params
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.detokenizer import IncrementalDetokenizer
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.tracing import RequestTrace
 
 logger = logging.getLogger("tokenmill.server.engine_client")
 
@@ -83,6 +86,9 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}  # engine request id → its stream's queue
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
+        self.metrics: ServerMetrics | None = None  # set by the server once the engine is ready
+        self.on_dead = lambda reason: None  # called once, after the pending requests have been failed
+        self._queued: dict[str, int] = {}  # requests without their first output yet → prompt tokens
         self._process: multiprocessing.process.BaseProcess | None = None
         self._output_task: asyncio.Task | None = None
 
@@ -159,14 +165,34 @@ class EngineClient:
             return
         self.dead_reason = reason
         logger.error("%s; failing %d pending requests", reason, len(self._queues))
+        self.fail_pending(reason)
         error = EngineDeadError(reason)
-        for queue in self._queues.values():
-            queue.put_nowait(error)
-        self._queues.clear()
         for waiter in self._stats_waiters.values():
             if not waiter.done():
                 waiter.set_exception(error)
         self._stats_waiters.clear()
+        self.on_dead(reason)
+
+    def fail_pending(self, reason: str) -> None:
+        """Ends every pending request with EngineDeadError (a 503, or an error event in a stream)."""
+        error = EngineDeadError(reason)
+        now = time.monotonic()
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(error)
+            if self.metrics is not None:
+                self.metrics.request_finished(request_id, "abort", now)
+        if self._queues and self.dead_reason is None:
+            self._send(AbortRequests(list(self._queues)))
+        self._queues.clear()
+        self._queued.clear()
+
+    @property
+    def num_queued_requests(self) -> int:
+        return len(self._queued)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return sum(self._queued.values())
 
     def check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -180,13 +206,23 @@ class EngineClient:
             msg = self._decoder.decode(frame.buffer)
             if not isinstance(msg, EngineCoreOutputs):
                 continue
+            metrics = self.metrics
+            if metrics is not None and msg.scheduler_stats is not None:
+                metrics.record_step(msg.scheduler_stats)
             for out in msg.outputs:
+                self._queued.pop(out.request_id, None)
+                if metrics is not None:
+                    metrics.record_output(out, msg.timestamp)
+                    if out.finish_reason is not None:
+                        metrics.request_finished(out.request_id, out.finish_reason,
+                                                 out.finished_time or msg.timestamp)
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
                     if out.finish_reason is not None:
                         del self._queues[out.request_id]
             for err in msg.errors:
+                self._queued.pop(err.request_id, None)
                 queue = self._queues.pop(err.request_id, None)
                 if queue is not None:
                     queue.put_nowait(err)
@@ -202,16 +238,26 @@ class EngineClient:
                     eos_token_id: int | None, priority: int, queue: asyncio.Queue) -> None:
         self.check_alive()
         self._queues[request_id] = queue
-        self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_id, priority, time.monotonic()))
+        self._queued[request_id] = len(prompt_token_ids)
+        arrival = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.request_added(request_id, len(prompt_token_ids), arrival)
+        self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_id, priority, arrival))
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], finished_reason: str = "abort") -> None:
+        """Stops requests in the engine; finished_reason is what the metrics record (a stop string that the
+        front end matched ends a request as "stop")."""
+        now = time.monotonic()
         for request_id in request_ids:
             self._queues.pop(request_id, None)
+            self._queued.pop(request_id, None)
+            if self.metrics is not None:
+                self.metrics.request_finished(request_id, finished_reason, now)
         if request_ids and self.dead_reason is None:
             self._send(AbortRequests(request_ids))
 
-    async def stats(self, timeout_s: float = 10.0) -> dict[str, float]:
-        """The engine's live counters (EngineCore.stats())."""
+    async def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
+        """The engine's state now, even when it is idle and sends no steps."""
         self.check_alive()
         query_id = next(self._query_ids)
         waiter = asyncio.get_running_loop().create_future()
@@ -240,6 +286,8 @@ class GenerationStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     samples: dict[str, _Sample] = field(default_factory=dict)
     unfinished: set[str] = field(default_factory=set)
+    trace: RequestTrace | None = None  # filled in as outputs arrive; handed to on_close
+    on_close: Callable[[GenerationStream], None] | None = None
 
     def __post_init__(self):
         n = self.params.n
@@ -270,6 +318,9 @@ class GenerationStream:
         if self.unfinished:
             self.client.abort(sorted(self.unfinished))
             self.unfinished.clear()
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close(self)
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -298,6 +349,8 @@ class GenerationStream:
 
     def _apply(self, out: EngineCoreOutput, deltas: dict[str, SampleDelta]) -> None:
         sample = self.samples[out.request_id]
+        if self.trace is not None:
+            self._time(out)
         delta = deltas.get(out.request_id)
         if delta is None:
             delta = deltas[out.request_id] = SampleDelta(sample.index, "", [], None, None, None)
@@ -312,8 +365,17 @@ class GenerationStream:
         if finish is None:
             return
         if out.finish_reason is None:
-            self.client.abort([out.request_id])
+            self.client.abort([out.request_id], finish)
         self.unfinished.discard(out.request_id)
         sample.finish_reason = delta.finish_reason = finish
         sample.stop_reason = stop_reason
         delta.stop_reason = sample.stop_reason
+
+    def _time(self, out: EngineCoreOutput) -> None:
+        """The request's span covers all its samples: earliest arrival, scheduling and first token, last finish."""
+        t = self.trace
+        for name, value in (("arrival", out.arrival_time), ("first_scheduled", out.first_scheduled_time),
+                            ("first_token", out.first_token_time)):
+            if value and (not getattr(t, name) or value < getattr(t, name)):
+                setattr(t, name, value)
+        t.finished = max(t.finished, out.finished_time or time.monotonic())

@@ -1,27 +1,194 @@
-"""Prometheus /metrics, with vLLM's metric names. Gauges are read from the engine process at each scrape."""
+"""Prometheus metrics with vLLM's names, types and bucket edges, so vLLM dashboards and autoscalers work as-is.
+
+Every time comes from the engine process: requests carry their arrival, scheduling, first-token and finish times
+(time.monotonic(), one clock for the machine), and each step's outputs carry the step's end time, which is when its
+tokens were made. How fast HTTP delivers them does not change any figure here. Counters that the engine keeps
+(prefix cache, preemptions) arrive as running totals with each step and are added as deltas."""
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from tokenmill.engine.engine import EngineCoreOutput, SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+# vLLM's default bucket edges (vllm/v1/metrics: request latency, TTFT, inter-token latency, iteration tokens)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def request_tokens_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclass
+class _Tracked:
+    num_prompt_tokens: int
+    arrival: float
+    first_scheduled: float = 0.0
+    first_token: float = 0.0
+    last_token: float = 0.0
+    num_generated: int = 0
+
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
+    def __init__(self, model_name: str, max_model_len: int, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool):
+        self.registry = r = CollectorRegistry()
         labels = ["model_name"]
-        self.num_requests_running = Gauge("vllm:num_requests_running", "Number of requests in model execution.",
-                                          labels, registry=self.registry).labels(model_name)
-        self.num_requests_waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                                          labels, registry=self.registry).labels(model_name)
-        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                                    labels, registry=self.registry).labels(model_name)
 
-    def update_from_engine(self, stats: dict[str, float]) -> None:
-        """stats: EngineCore.stats(), fetched over ZMQ."""
-        self.num_requests_running.set(stats["num_running"])
-        self.num_requests_waiting.set(stats["num_waiting"])
-        self.kv_cache_usage.set(stats["kv_cache_usage"])
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          ITERATION_TOKENS_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds.", ITL_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        token_buckets = request_tokens_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
+        Info("vllm:cache_config", "Information of the LLMEngine CacheConfig", registry=r).info({
+            "block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
+            "enable_prefix_caching": str(enable_prefix_caching)})
+        self._engine_totals = (0, 0, 0)  # prefix queries, prefix hits, preemptions, as last reported
+        self._tracked: dict[str, _Tracked] = {}
+        # plain copies for the periodic stats line (prometheus_client has no public read of a counter)
+        self.last_stats: SchedulerStats | None = None
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self._logged = (0.0, 0, 0, 0, 0)  # time, prompt tokens, generation tokens, prefix queries, hits
+
+    # ---- engine state, once per step ----
+
+    def record_step(self, stats: SchedulerStats) -> None:
+        self.last_stats = stats
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        for metric, new, old in zip((self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions),
+                                    totals, self._engine_totals):
+            if new > old:
+                metric.inc(new - old)
+        self._engine_totals = totals
+        if stats.step_tokens:
+            self.iteration_tokens.observe(stats.step_tokens)
+
+    # ---- per request ----
+
+    def request_added(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
+        self._tracked[request_id] = _Tracked(num_prompt_tokens, arrival)
+
+    def record_output(self, out: EngineCoreOutput, timestamp: float) -> None:
+        """One engine output: its new tokens were made at `timestamp` (the end of the step)."""
+        t = self._tracked.get(out.request_id)
+        if t is None or not out.new_token_ids:
+            return
+        if not t.num_generated:
+            t.first_scheduled = out.first_scheduled_time or t.arrival
+            t.first_token = out.first_token_time or timestamp
+            self.ttft.observe(max(0.0, t.first_token - t.arrival))
+            self.prompt_tokens.inc(t.num_prompt_tokens)
+            self.num_prompt_tokens += t.num_prompt_tokens
+        else:
+            self.itl.observe(max(0.0, timestamp - t.last_token))
+        t.last_token = timestamp
+        t.num_generated += len(out.new_token_ids)
+        self.generation_tokens.inc(len(out.new_token_ids))
+        self.num_generation_tokens += len(out.new_token_ids)
+
+    def request_finished(self, request_id: str, finished_reason: str, finished_time: float) -> None:
+        """Called once per request, whoever ended it: the engine (stop token, length), the front end (stop
+        string) or the client (abort). Requests that never produced a token count only as finished."""
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            return
+        self._success.labels(self._model_name, finished_reason).inc()
+        if not t.num_generated:
+            return
+        end = max(finished_time, t.last_token)
+        self.e2e.observe(end - t.arrival)
+        self.queue_time.observe(max(0.0, t.first_scheduled - t.arrival))
+        self.inference_time.observe(max(0.0, end - t.first_scheduled))
+        self.prefill_time.observe(max(0.0, t.first_token - t.first_scheduled))
+        self.decode_time.observe(max(0.0, t.last_token - t.first_token))
+        self.request_prompt_tokens.observe(t.num_prompt_tokens)
+        self.request_generation_tokens.observe(t.num_generated)
+        if t.num_generated > 1:
+            per_token = (t.last_token - t.first_token) / (t.num_generated - 1)
+            self.tpot.observe(per_token)
+            self.request_tpot.observe(per_token)
+
+    def stats_line(self, now: float) -> str | None:
+        """vLLM's periodic log line: throughput since the last line, queue, KV usage, prefix-cache hit rate.
+        None when nothing happened since the last line (an idle server stays quiet)."""
+        last_time, last_prompt, last_gen, last_queries, last_hits = self._logged
+        s = self.last_stats
+        queries, hits = (s.prefix_cache_queries, s.prefix_cache_hits) if s else (0, 0)
+        self._logged = (now, self.num_prompt_tokens, self.num_generation_tokens, queries, hits)
+        if not last_time:
+            return None
+        prompt, gen = self.num_prompt_tokens - last_prompt, self.num_generation_tokens - last_gen
+        if not (prompt or gen or (s and (s.num_running or s.num_waiting))):
+            return None
+        elapsed = max(now - last_time, 1e-9)
+        hit_rate = (hits - last_hits) / (queries - last_queries) if queries > last_queries else 0.0
+        return (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation throughput: "
+                f"{gen / elapsed:.1f} tokens/s, Running: {s.num_running if s else 0} reqs, Waiting: "
+                f"{s.num_waiting if s else 0} reqs, KV cache usage: {100 * (s.kv_cache_usage if s else 0):.1f}%, "
+                f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

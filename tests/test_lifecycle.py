@@ -1,0 +1,120 @@
+"""Readiness while loading, backpressure and the KV-pool fit check on a server with small limits; SIGTERM draining
+on a server of its own."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_utils import API_KEY, MODEL, RemoteServer
+
+QUEUE_LIMIT = 8
+NUM_BLOCKS = 200  # 3,200 tokens of KV cache, less than max_model_len
+
+
+@pytest.fixture(scope="module")
+def lone_server():
+    s = RemoteServer(["--api-key", API_KEY, "--max-num-queued-reqs", str(QUEUE_LIMIT),
+                      "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "4096",
+                      "--shutdown-timeout", "60"])
+    yield s
+    s.stop()
+
+
+def test_ready_only_after_loading(lone_server):
+    # RemoteServer polled /health/ready until 200; before that it saw /health 200 with /health/ready 503
+    assert lone_server.seen_loading
+    assert httpx.get(lone_server.url_for("/health/ready")).status_code == 200
+
+
+def test_request_larger_than_the_kv_pool_is_refused(lone_server):
+    r = httpx.post(lone_server.url_for("/v1/completions"), headers=lone_server.headers(), timeout=30,
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 3500})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "KV cache" in error["message"] and str(NUM_BLOCKS * 16) in error["message"]
+    assert error["param"] == "max_tokens"
+    # and it blocked nothing: a normal request still runs
+    ok = httpx.post(lone_server.url_for("/v1/completions"), headers=lone_server.headers(), timeout=60,
+                    json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+    assert ok.status_code == 200
+
+
+def test_burst_past_the_queue_limit_gets_503_with_retry_after(lone_server):
+    async def one(client):
+        start = time.monotonic()
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Tell me a story about a cat",
+                                                       "max_tokens": 4, "ignore_eos": True})
+        return r, time.monotonic() - start
+
+    async def main():
+        async with httpx.AsyncClient(base_url=lone_server.url, headers=lone_server.headers(), timeout=120,
+                                     limits=httpx.Limits(max_connections=100)) as client:
+            return await asyncio.gather(*(one(client) for _ in range(100)))
+
+    results = asyncio.run(main())
+    codes = [r.status_code for r, _ in results]
+    assert set(codes) == {200, 503}, codes
+    for r, _ in results:
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) > 0
+            assert r.json()["error"]["type"] == "overloaded_error"
+    assert max(elapsed for _, elapsed in results) < 120
+    print(f"\nburst of 100 with --max-num-queued-reqs {QUEUE_LIMIT}: {codes.count(200)} x 200, "
+          f"{codes.count(503)} x 503")
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0():
+    """50 streams in flight at SIGTERM: each one completes or ends with a clear error; later requests get 503;
+    the exit status is 0."""
+    lone_server = RemoteServer(["--api-key", API_KEY, "--shutdown-timeout", "60"])
+    async def stream(client, first_tokens: asyncio.Queue):
+        events, got_first = [], False
+        async with client.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": "Write about the sea.", "max_tokens": 24, "ignore_eos": True,
+                "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if not got_first:
+                        got_first = True
+                        first_tokens.put_nowait(1)
+        return events
+
+    async def main():
+        first_tokens: asyncio.Queue = asyncio.Queue()
+        async with httpx.AsyncClient(base_url=lone_server.url, headers=lone_server.headers(), timeout=120,
+                                     limits=httpx.Limits(max_connections=60)) as client:
+            streams = [asyncio.create_task(stream(client, first_tokens)) for _ in range(50)]
+            # SIGTERM once the first streams are producing: the rest are queued or prefilling, all accepted
+            for _ in range(5):
+                await first_tokens.get()
+            lone_server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            after = await client.post("/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2})
+            ready = await client.get("/health/ready")
+            return await asyncio.gather(*streams), after, ready
+
+    all_events, after, ready = asyncio.run(main())
+    assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable_error"
+    assert ready.status_code == 503
+    completed = 0
+    for events in all_events:
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        if "error" in last:
+            assert last["error"]["message"]
+        else:
+            completed += 1
+            assert any(c.get("finish_reason") == "length" for e in events[:-1]
+                       for c in json.loads(e).get("choices", []))
+    assert completed == 50  # the 60 s shutdown timeout is enough for all of them here
+    try:
+        assert lone_server.proc.wait(90) == 0
+    finally:
+        lone_server.stop()
