@@ -58,6 +58,9 @@ class LLM:
 
     def _add(self, text, ids, params: SamplingParams, priority: int):
         rid = str(next(self._ids))
+        if params.structured_outputs is not None:
+            # Invalid schemas fail here, with the compiler's message; the engine then finds it compiled.
+            self.engine.structured.compiler.compile(params.structured_outputs)
         out = RequestOutput(rid, text, ids, [CompletionOutput(i) for i in range(params.n)])
         children = {}
         for i in range(params.n):

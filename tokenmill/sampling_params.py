@@ -13,6 +13,26 @@ class ParamError(ValueError):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint, as in vLLM: a JSON schema (dict or text), any JSON object, a regex, a choice
+    among strings, or an EBNF grammar (xgrammar's dialect, rule `root`)."""
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ParamError("structured output takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}", "structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ParamError("choice must be a non-empty list of strings", "guided_choice")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -34,6 +54,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

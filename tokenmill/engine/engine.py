@@ -13,7 +13,8 @@ from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.models.loader import load_model_config, resolve_model_path
+from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.models.loader import load_model_config, load_tokenizer, resolve_model_path
 from tokenmill.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("tokenmill.engine")
@@ -43,6 +44,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int  # tokens
     num_preemptions: int
     step_tokens: int = 0  # tokens this step computed (prompt and generated): vllm:iteration_tokens_total
+    num_steps: int = 0
+    grammar_mask_time_s: float = 0.0  # spent filling structured-output bitmasks
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, priority: int, max_model_len: int,
@@ -92,6 +95,10 @@ class EngineCore:
                                    self.max_model_len, config.scheduling_policy)
         self.num_steps = 0
         self.last_step_tokens = 0
+        path, tokenizer = self.model_info.path, config.tokenizer
+        self.structured = StructuredOutputManager(lambda: load_tokenizer(path, tokenizer), self.runner.vocab_size)
+        self.runner.structured = self.structured
+        self.scheduler.is_ready = lambda request: self.structured.ready(request.request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None = None, priority: int = 0, arrival_time: float | None = None,
@@ -101,11 +108,14 @@ class EngineCore:
                                       self.kv_cache.num_blocks * self.kv_cache.block_size)
         request = Request(request_id, prompt_token_ids, params, eos_token_id, max_tokens, priority,
                           extra_keys, arrival_time)
+        if params.structured_outputs is not None:
+            self.structured.add(request_id, params.structured_outputs)
         self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+        self.structured.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -113,13 +123,14 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         self.last_step_tokens = sum(sched.num_scheduled_tokens.values())
+        failed = [self._abort_failed(rid) for rid in self.structured.take_failed()]
         if not sched.requests:
-            return []
+            return failed
         block_tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.requests}
         result = self.runner.execute(sched, block_tables)
         self.num_steps += 1
         now = time.monotonic()
-        outputs = []
+        outputs = failed
         for r in sched.requests:
             r.num_computed_tokens += sched.num_scheduled_tokens[r.request_id]
             prompt_lp = result.prompt_logprobs.get(r.request_id)
@@ -133,10 +144,17 @@ class EngineCore:
             r.append_output_token(token)
             lp = result.logprobs.get(r.request_id)
             status = self._check_stop(r, token)
+            if self.structured.accept(r.request_id, token) and status is None:
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
             if status is not None:
                 self.scheduler.finish(r, status)
+                self.structured.remove(r.request_id)
             outputs.append(self._output(r, [token], [lp] if lp else None, prompt_lp))
         return outputs
+
+    def _abort_failed(self, request_id: str) -> EngineCoreOutput:
+        request = self.scheduler.abort(request_id)
+        return self._output(request, [], None, None)
 
     def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
         p = r.params
@@ -156,7 +174,8 @@ class EngineCore:
     def scheduler_stats(self, step_tokens: int = 0) -> SchedulerStats:
         s, kv = self.scheduler, self.kv_cache
         return SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.prefix_cache_queries,
-                              kv.prefix_cache_hits, s.num_preemptions, step_tokens)
+                              kv.prefix_cache_hits, s.num_preemptions, step_tokens, self.num_steps,
+                              self.structured.mask_time_s)
 
     def stats(self) -> dict:
         s = self.scheduler

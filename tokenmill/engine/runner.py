@@ -42,6 +42,7 @@ class ModelRunner:
         self.backend = get_attention_backend()
         self.vocab_size = info.hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, config.seed)
+        self.structured = None  # the engine's StructuredOutputManager
         self.num_blocks = self._num_blocks(max_model_len)
         shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -118,7 +119,11 @@ class ModelRunner:
         out = RunnerOutput({}, {}, {})
         if sampling:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
-            result = self.sampler(logits, sampling)
+            constrain = None
+            if self.structured is not None and self.structured.matchers:
+                ids = [r.request_id for r in sampling]
+                constrain = lambda lg: self.structured.apply_bitmask(lg, ids)  # noqa: E731
+            result = self.sampler(logits, sampling, constrain)
             for r, tok, lp in zip(sampling, result.token_ids, result.logprobs):
                 out.sampled[r.request_id] = tok
                 if lp is not None:

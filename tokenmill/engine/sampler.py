@@ -6,6 +6,7 @@ A seeded request draws its uniform from its own torch.Generator, advanced once p
 what else is in the batch."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +53,15 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 constrain: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
+        """constrain masks logits in place (structured output); logprobs stay those of the raw model output."""
         logits = logits[:, :self.vocab_size]
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._apply_bias_and_penalties(logits, requests)
+        if constrain is not None:
+            constrain(logits)
 
         greedy = [r.params.greedy for r in requests]
         if all(greedy):

@@ -9,6 +9,7 @@ import heapq
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_cache import KVCacheManager
@@ -71,6 +72,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.is_ready: Callable[[Request], bool] = lambda request: True  # e.g. False while its grammar compiles
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -98,8 +100,12 @@ class Scheduler:
                 i += 1
 
         # A step that had to preempt has no room for newcomers.
+        not_ready: list[Request] = []
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if not self.is_ready(request):  # stepped over, keeping its place in the queue
+                not_ready.append(self.waiting.pop())
+                continue
             hits, num_hit = [], 0
             if request.params.prompt_logprobs is None:  # prompt logprobs need every prompt position's logits
                 hits, num_hit = self.kv_cache.get_computed_blocks(request)
@@ -116,6 +122,8 @@ class Scheduler:
             self.running.append(request)
             self._schedule(out, request, num_new)
             budget -= num_new
+        for request in reversed(not_ready):
+            self.waiting.add(request, front=True)
         return out
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -32,7 +33,7 @@ from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.engine.core_proc import EngineReady
 from tokenmill.engine.engine import validate_request
 from tokenmill.models.loader import load_tokenizer, resolve_model_path
-from tokenmill.sampling_params import ParamError, SamplingParams
+from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from tokenmill.server import protocol as p
 from tokenmill.server.chat_utils import render_chat
 from tokenmill.server.engine_client import EngineClient, EngineDeadError, GenerationStream
@@ -215,6 +216,11 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_names[0], e.max_model_len, e.num_blocks, e.block_size,
                                      e.enable_prefix_caching)
         self.client.metrics = self.metrics
+
+    @functools.cached_property
+    def grammar_compiler(self):
+        from tokenmill.engine.structured_output import GrammarCompiler
+        return GrammarCompiler(self.tokenizer, self.engine.vocab_size)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names and model != self.model_root:
@@ -547,7 +553,9 @@ class OpenAIServing:
         top_k = req.top_k or 0
         if top_k >= vocab:  # keeps every token, as no top-k at all does
             top_k = 0
+        structured = self.structured_outputs(req)
         return SamplingParams(
+            structured_outputs=structured,
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
             min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
@@ -558,6 +566,37 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens)
+
+    def structured_outputs(self, req: p.SamplingFields) -> StructuredOutputsParams | None:
+        """The request's constraint, from whichever field carries it; compiled here first, so that an invalid
+        schema, regex or grammar is a 400 quoting the compiler (and the engine finds it in the cache)."""
+        specs = []
+        fmt = req.response_format
+        if fmt is not None and fmt.type != "text":
+            if fmt.type == "json_object":
+                specs.append(StructuredOutputsParams(json_object=True))
+            elif fmt.type == "json_schema":
+                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                    raise ParamError("response_format json_schema needs json_schema.schema", "response_format")
+                specs.append(StructuredOutputsParams(json=fmt.json_schema.schema_))
+            else:
+                raise ParamError(f"response_format type must be text, json_object or json_schema, got {fmt.type!r}",
+                                 "response_format")
+        for name, field_name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                                 ("grammar", "guided_grammar")):
+            if getattr(req, field_name) is not None:
+                specs.append(StructuredOutputsParams(**{name: getattr(req, field_name)}))
+        so = req.structured_outputs
+        if so is not None:
+            specs.append(StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                                                 choice=so.choice, grammar=so.grammar))
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise ParamError("give one structured-output constraint: response_format, guided_json, guided_regex, "
+                             "guided_choice, guided_grammar or structured_outputs", "response_format")
+        self.state.grammar_compiler.compile(specs[0])
+        return specs[0]
 
     def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                raw: Request, operation: str) -> GenerationStream:

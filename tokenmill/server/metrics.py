@@ -108,7 +108,7 @@ class ServerMetrics:
         self.last_stats: SchedulerStats | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self._logged = (0.0, 0, 0, 0, 0)  # time, prompt tokens, generation tokens, prefix queries, hits
+        self._logged = (0.0, 0, 0, 0, 0, 0, 0.0)  # time, prompt, generation, prefix queries, hits, steps, mask s
 
     # ---- engine state, once per step ----
 
@@ -174,10 +174,11 @@ class ServerMetrics:
     def stats_line(self, now: float) -> str | None:
         """vLLM's periodic log line: throughput since the last line, queue, KV usage, prefix-cache hit rate.
         None when nothing happened since the last line (an idle server stays quiet)."""
-        last_time, last_prompt, last_gen, last_queries, last_hits = self._logged
+        last_time, last_prompt, last_gen, last_queries, last_hits, last_steps, last_mask = self._logged
         s = self.last_stats
         queries, hits = (s.prefix_cache_queries, s.prefix_cache_hits) if s else (0, 0)
-        self._logged = (now, self.num_prompt_tokens, self.num_generation_tokens, queries, hits)
+        steps, mask = (s.num_steps, s.grammar_mask_time_s) if s else (0, 0.0)
+        self._logged = (now, self.num_prompt_tokens, self.num_generation_tokens, queries, hits, steps, mask)
         if not last_time:
             return None
         prompt, gen = self.num_prompt_tokens - last_prompt, self.num_generation_tokens - last_gen
@@ -185,10 +186,13 @@ class ServerMetrics:
             return None
         elapsed = max(now - last_time, 1e-9)
         hit_rate = (hits - last_hits) / (queries - last_queries) if queries > last_queries else 0.0
-        return (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation throughput: "
+        line = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation throughput: "
                 f"{gen / elapsed:.1f} tokens/s, Running: {s.num_running if s else 0} reqs, Waiting: "
                 f"{s.num_waiting if s else 0} reqs, KV cache usage: {100 * (s.kv_cache_usage if s else 0):.1f}%, "
                 f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+        if mask > last_mask and steps > last_steps:
+            line += f", Grammar mask time: {1000 * (mask - last_mask) / (steps - last_steps):.2f} ms/step"
+        return line
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,158 @@
+"""Structured output with xgrammar on the real default model: JSON schema, regex, choice, EBNF, batch isolation,
+finish reasons and compiler errors; offline through `LLM` and over HTTP."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+import torch
+
+from server_utils import MODEL, server  # noqa: F401 - the fixture
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import ParamError
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["engineer", "doctor", "artist", "teacher"]},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "address", "skills"],
+    "additionalProperties": False,
+}
+ARITHMETIC = """
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= number | "(" expr ")"
+number ::= [0-9] | [1-9] [0-9]
+"""
+
+
+@pytest.fixture(scope="module")
+def llm():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM(dtype="float32", kv_cache_memory="512MiB", max_model_len=1024)
+    torch.set_num_threads(threads)
+
+
+def chat_prompt(llm, text: str) -> str:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+
+def valid_person(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), PERSON)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def test_json_schema_always_validates_and_free_text_does_not(llm):
+    prompt = chat_prompt(llm, "Give a person as JSON with name, age, role, address (city, zip) and skills.")
+    constrained = [SamplingParams(temperature=0.8, max_tokens=160, seed=i,
+                                  structured_outputs=StructuredOutputsParams(json=PERSON)) for i in range(100)]
+    free = [SamplingParams(temperature=0.8, max_tokens=160, seed=i) for i in range(50)]
+    outs = llm.generate([prompt] * 150, constrained + free, use_tqdm=False)
+    good_constrained = sum(valid_person(o.outputs[0].text) for o in outs[:100])
+    good_free = sum(valid_person(o.outputs[0].text) for o in outs[100:])
+    print(f"\nnested JSON schema at T=0.8: constrained {good_constrained}/100 valid, "
+          f"unconstrained {good_free}/50 valid")
+    assert good_constrained == 100, [o.outputs[0].text for o in outs[:100] if not valid_person(o.outputs[0].text)][:3]
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs[:100])
+    assert good_free < 45  # the same prompts fail measurably without the constraint
+
+
+def test_regex_choice_and_ebnf_always_match(llm):
+    regex = r"[A-Z][a-z]{2,8} [0-9]{3}-[0-9]{4}"
+    choices = ["positive", "negative", "neutral"]
+    reqs = ([(chat_prompt(llm, "A name and phone number:"), StructuredOutputsParams(regex=regex))] * 12
+            + [(chat_prompt(llm, "Sentiment of 'I love it'?"), StructuredOutputsParams(choice=choices))] * 12
+            + [(chat_prompt(llm, "Write an arithmetic expression."), StructuredOutputsParams(grammar=ARITHMETIC))] * 12)
+    params = [SamplingParams(temperature=1.0, max_tokens=40, seed=i, structured_outputs=spec)
+              for i, (_, spec) in enumerate(reqs)]
+    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(re.fullmatch(regex, t) for t in texts[:12]), texts[:12]
+    assert all(t in choices for t in texts[12:24]), texts[12:24]
+    expression = re.compile(r"[0-9()+\-*/]+")
+    for t in texts[24:]:
+        assert expression.fullmatch(t), t
+        if outs[texts.index(t)].outputs[0].finish_reason == "stop":
+            eval(compile(t, "<expr>", "eval"), {})  # a complete expression parses; ZeroDivisionError is fine
+    assert len(set(texts[12:24])) >= 1
+
+
+def test_free_requests_are_untouched_by_constrained_neighbours(llm):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    constrained = SamplingParams(temperature=0.9, max_tokens=40, seed=3,
+                                 structured_outputs=StructuredOutputsParams(json=PERSON))
+    mixed = llm.generate([prompts[0], "JSON please:", prompts[1], "More JSON:", prompts[2]],
+                         [greedy, constrained, greedy, constrained, greedy], use_tqdm=False)
+    assert [mixed[i].outputs[0].token_ids for i in (0, 2, 4)] == alone
+
+
+def test_length_cut_and_compiler_errors(llm):
+    out = llm.generate([chat_prompt(llm, "A person:")], SamplingParams(
+        temperature=0, max_tokens=5, structured_outputs=StructuredOutputsParams(json=PERSON)), use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length"  # max_tokens came before the grammar's end
+    with pytest.raises(ParamError, match="regex"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a[")), use_tqdm=False)
+    with pytest.raises(ParamError, match="json"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(
+            json={"type": "objectx"})), use_tqdm=False)
+    with pytest.raises(ParamError):
+        StructuredOutputsParams(regex="a", choice=["b"])
+
+
+# ---- over HTTP ----
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url_for(path), headers=server.headers(), json={"model": MODEL, **body}, timeout=120)
+
+
+def test_openai_response_format_and_vllm_fields(server):
+    import openai
+    client = server.openai()
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A person as JSON."}], max_tokens=160, temperature=0.7,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    assert valid_person(r.choices[0].message.content) and r.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Any JSON object."}],
+                                         max_tokens=120, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+    choice = post(server, "/v1/completions", {"prompt": "Yes or no?", "max_tokens": 5, "temperature": 1.0,
+                                              "guided_choice": ["yes", "no"]}).json()
+    assert choice["choices"][0]["text"] in ("yes", "no")
+    regex = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "A code"}],
+                                                  "max_tokens": 12, "structured_outputs": {"regex": "[A-F]{4}"}})
+    assert re.fullmatch("[A-F]{4}", regex.json()["choices"][0]["message"]["content"])
+    # streaming: the deltas join into valid output
+    with client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A person"}],
+                                        max_tokens=160, temperature=0.5, stream=True,
+                                        extra_body={"guided_json": PERSON}) as stream:
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert valid_person(text)
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"guided_regex": "a("})
+    assert "regex" in err.value.body["message"].lower() or "regex" in str(err.value).lower()
+    bad = post(server, "/v1/completions", {"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}})
+    assert bad.status_code == 400 and "objectx" in bad.json()["error"]["message"]
+    both = post(server, "/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]})
+    assert both.status_code == 400
