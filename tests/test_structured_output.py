@@ -130,8 +130,10 @@ def test_openai_response_format_and_vllm_fields(server):
         model=MODEL, messages=[{"role": "user", "content": "A person as JSON."}], max_tokens=160, temperature=0.7,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
     assert valid_person(r.choices[0].message.content) and r.choices[0].finish_reason == "stop"
-    obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Any JSON object."}],
-                                         max_tokens=120, temperature=0, response_format={"type": "json_object"})
+    obj = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give a JSON object with a name and an age."}],
+        max_tokens=120, temperature=0, response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
     choice = post(server, "/v1/completions", {"prompt": "Yes or no?", "max_tokens": 5, "temperature": 1.0,
