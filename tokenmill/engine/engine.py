@@ -178,8 +178,6 @@ class EngineCore:
                               self.structured.mask_time_s)
 
     def stats(self) -> dict:
-        s = self.scheduler
-        return {"num_running": len(s.running), "num_waiting": len(s.waiting),
-                "kv_cache_usage": self.kv_cache.usage, "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
-                "prefix_cache_hits": self.kv_cache.prefix_cache_hits, "num_preemptions": s.num_preemptions,
-                "num_blocks": self.kv_cache.num_blocks, "block_size": self.kv_cache.block_size}
+        """scheduler_stats() as a dict, plus the pool's shape (for the offline API and benchmarks)."""
+        return {**msgspec.structs.asdict(self.scheduler_stats()), "num_blocks": self.kv_cache.num_blocks,
+                "block_size": self.kv_cache.block_size}

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 logger = logging.getLogger("tokenmill.server.tracing")
 
@@ -39,17 +40,12 @@ class RequestTrace:
 
 def _traces_endpoint(flag: str | None) -> str | None:
     if flag:
-        return flag if urlpath(flag) not in ("", "/") else flag.rstrip("/") + "/v1/traces"
+        return flag if urlparse(flag).path not in ("", "/") else flag.rstrip("/") + "/v1/traces"
     if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         return os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         return os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
     return None
-
-
-def urlpath(url: str) -> str:
-    from urllib.parse import urlparse
-    return urlparse(url).path
 
 
 class RequestTracer:
