@@ -6,6 +6,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from tokenmill.reasoning import ReasoningSpec, reasoning_spec
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -27,12 +29,23 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs|priority", "choices": ["fcfs", "priority"]})
     max_logprobs: int = field(default=20, metadata={"help": "most logprobs a request may ask for"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "split <think> reasoning into reasoning_content: deepseek_r1|qwen3", "choices": ["deepseek_r1", "qwen3"]})
+    think_start_str: str | None = field(default=None, metadata={
+        "help": "the string that opens reasoning (default <think>; alone, it turns reasoning on)"})
+    think_end_str: str | None = field(default=None, metadata={
+        "help": "the string that closes reasoning (default </think>)"})
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be positive")
+        reasoning_spec(self.reasoning_parser, self.think_start_str, self.think_end_str)  # raises if invalid
+
+    @property
+    def reasoning(self) -> ReasoningSpec | None:
+        return reasoning_spec(self.reasoning_parser, self.think_start_str, self.think_end_str)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

@@ -55,6 +55,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # reasoning models (needs a reasoning parser): after this many thinking tokens, force the end-of-thinking string
+    thinking_token_budget: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -92,6 +94,9 @@ class SamplingParams:
             raise ParamError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
         if self.logprobs is not None and self.logprobs < 0:
             raise ParamError(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise ParamError(f"thinking_token_budget must be non-negative, got {self.thinking_token_budget}",
+                             "thinking_token_budget")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ParamError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}", "prompt_logprobs")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import platform
 import random
@@ -62,6 +63,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo", default=DEFAULT_SLO, help="e.g. ttft_p99_ms=2000,itl_p50_ms=100")
     parser.add_argument("--ignore-eos", action="store_true", help="pin the output length")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--extra-body", type=json.loads, default=None,
+                        help='JSON merged into every request, e.g. \'{"guided_json": {...}}\' (recorded in the report)')
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--precision", default="unknown", help="recorded in the report, e.g. bf16")
     parser.add_argument("--engine-name", default=None, help="name in the report (default: the endpoint's owner)")
@@ -141,7 +144,7 @@ class Endpoint:
                 "stream_options": {"include_usage": True}, "temperature": self.args.temperature}
         if self.args.ignore_eos:
             body["ignore_eos"] = True
-        return body
+        return {**body, **(self.args.extra_body or {})}
 
     async def run_session(self, client: httpx.AsyncClient, session: datasets.Session,
                           records: list[metrics.RequestRecord], on_done) -> None:
@@ -271,6 +274,8 @@ def dataset_info(args) -> dict:
             "input_len_stddev": args.input_len_stddev, "output_len": args.output_len,
             "output_len_stddev": args.output_len_stddev, "ignore_eos": args.ignore_eos,
             "temperature": args.temperature}
+    if args.extra_body:
+        info["extra_body"] = args.extra_body
     if args.dataset == "prefix":
         info.update(prefix_groups=args.prefix_groups, prefix_len=args.prefix_len)
     elif args.dataset == "multiturn":

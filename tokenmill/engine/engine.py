@@ -3,6 +3,7 @@
 Stop strings need text, so the front end (offline LLM or API server) detokenizes and aborts on a match."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -15,6 +16,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.models.loader import load_model_config, load_tokenizer, resolve_model_path
+from tokenmill.reasoning import ThinkingTracker
 from tokenmill.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("tokenmill.engine")
@@ -96,7 +98,12 @@ class EngineCore:
         self.num_steps = 0
         self.last_step_tokens = 0
         path, tokenizer = self.model_info.path, config.tokenizer
-        self.structured = StructuredOutputManager(lambda: load_tokenizer(path, tokenizer), self.runner.vocab_size)
+        get_tokenizer = functools.cache(lambda: load_tokenizer(path, tokenizer))
+        self.structured = StructuredOutputManager(get_tokenizer, self.runner.vocab_size)
+        self.reasoning = config.reasoning
+        if self.reasoning is not None:
+            encode = functools.partial(get_tokenizer().encode, add_special_tokens=False)
+            self.think_ids = encode(self.reasoning.start), encode(self.reasoning.end)
         self.runner.structured = self.structured
         self.scheduler.is_ready = lambda request: self.structured.ready(request.request_id)
 
@@ -108,6 +115,13 @@ class EngineCore:
                                       self.kv_cache.num_blocks * self.kv_cache.block_size)
         request = Request(request_id, prompt_token_ids, params, eos_token_id, max_tokens, priority,
                           extra_keys, arrival_time)
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise ParamError("thinking_token_budget needs a reasoning model: start the engine with "
+                             "--reasoning-parser (or --think-start-str/--think-end-str)", "thinking_token_budget")
+        if self.reasoning is not None and (params.thinking_token_budget is not None
+                                           or params.structured_outputs is not None):
+            request.thinking = ThinkingTracker(self.reasoning, *self.think_ids, prompt_token_ids,
+                                               params.thinking_token_budget)
         if params.structured_outputs is not None:
             self.structured.add(request_id, params.structured_outputs)
         self.scheduler.add_request(request)
@@ -144,7 +158,9 @@ class EngineCore:
             r.append_output_token(token)
             lp = result.logprobs.get(r.request_id)
             status = self._check_stop(r, token)
-            if self.structured.accept(r.request_id, token) and status is None:
+            thought = r.thinking is not None and r.thinking.observe(r.output_token_ids)
+            # the grammar starts after thinking ends: thinking tokens and the end string are not fed to it
+            if not thought and self.structured.accept(r.request_id, token) and status is None:
                 status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
             if status is not None:
                 self.scheduler.finish(r, status)

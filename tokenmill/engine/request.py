@@ -55,6 +55,11 @@ class Request:
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.logprobs: list[dict] = []  # per output token, when params.logprobs is set
         self.prompt_logprobs: list[dict | None] = []
+        self.thinking = None  # a ThinkingTracker, for reasoning requests with a thinking budget or a grammar
+
+    @property
+    def is_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.thinking
 
     @property
     def num_tokens(self) -> int:

@@ -121,7 +121,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
             constrain = None
             if self.structured is not None and self.structured.matchers:
-                ids = [r.request_id for r in sampling]
+                ids = [None if r.is_thinking else r.request_id for r in sampling]
                 constrain = lambda lg: self.structured.apply_bitmask(lg, ids)  # noqa: E731
             result = self.sampler(logits, sampling, constrain)
             for r, tok, lp in zip(sampling, result.token_ids, result.logprobs):

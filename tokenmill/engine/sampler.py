@@ -87,6 +87,13 @@ class Sampler:
                 ids = torch.tensor(list(p.logit_bias), device=logits.device)
                 vals = torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
                 logits[i].index_add_(0, ids, vals)
+            forced = r.thinking.forced_token(r.output_token_ids) if r.thinking is not None else None
+            if forced is not None:  # a spent thinking budget: only the end-of-thinking string may come next
+                if not edited:
+                    logits, edited = logits.clone(), True
+                logits[i] = float("-inf")
+                logits[i, forced] = 0.0
+                continue
             if r.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None
                                                    and not p.ignore_eos else [])

@@ -35,7 +35,10 @@ from tokenmill.engine.engine import validate_request
 from tokenmill.models.loader import load_tokenizer, resolve_model_path
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from tokenmill.server import protocol as p
-from tokenmill.server.chat_utils import render_chat
+from tokenmill.reasoning import ReasoningSpec, ReasoningSplitter
+from tokenmill.server.chat_output import ChatOutputParser
+from tokenmill.server.chat_utils import SHIPPED_TEMPLATES, load_chat_template, render_chat
+from tokenmill.server.tool_parsers import TOOL_PARSERS, named_tool_schema, required_tools_schema, tool_names
 from tokenmill.server.engine_client import EngineClient, EngineDeadError, GenerationStream
 from tokenmill.server.errors import Overloaded, error_response
 from tokenmill.server.lifecycle import RETRY_AFTER_S, DrainingServer, Lifecycle, LifecycleApp
@@ -66,6 +69,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS methods, a JSON list")
     parser.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS headers, a JSON list")
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template to use instead of the model's: a file, a shipped name "
+                             f"({', '.join(sorted(SHIPPED_TEMPLATES))}), or the template text itself")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model decide to call tools (tool_choice auto); needs --tool-call-parser")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="how the model writes tool calls, for tool_choice auto")
     parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for")
     parser.add_argument("--max-num-queued-reqs", type=int, default=None,
                         help="answer 503 (overloaded_error, Retry-After) past this many requests waiting for their "
@@ -94,6 +104,13 @@ def run_from_cli(args: argparse.Namespace) -> int:
         args.api_key = os.environ.get("TOKENMILL_API_KEY") or None
     if args.max_n < 1:
         raise SystemExit("error: --max-n must be at least 1")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.chat_template is not None:
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except OSError as e:
+            raise SystemExit(f"error: cannot read --chat-template: {e}") from None
     configure_logging(args.log_format)
     try:
         config = EngineConfig.from_cli_args(args)
@@ -168,10 +185,13 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             return 1
         logger.info("engine ready: max_model_len=%d, %d KV blocks of %d tokens", ready.max_model_len,
                     ready.num_blocks, ready.block_size)
+        if args.chat_template is not None:
+            tokenizer.chat_template = args.chat_template
         names = args.served_model_name or [DEFAULT_MODEL if config.model in (DEFAULT_MODEL, None) else config.model]
         state = ServerState(client, tokenizer, ready, names, config.model, args.max_n, args.api_key,
                             args.max_num_queued_reqs, args.max_num_queued_tokens,
-                            make_tracer(args.otlp_traces_endpoint, args.otlp_traces_include_text))
+                            make_tracer(args.otlp_traces_endpoint, args.otlp_traces_include_text),
+                            config.reasoning, args.tool_call_parser if args.enable_auto_tool_choice else None)
         client.on_dead = lifecycle.engine_died
         lifecycle.fail_pending = client.fail_pending
         root.inner = build_app(state, args)
@@ -208,6 +228,8 @@ class ServerState:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     tracer: object | None = None  # a RequestTracer when tracing is on
+    reasoning: ReasoningSpec | None = None  # --reasoning-parser
+    tool_call_parser: str | None = None  # set only with --enable-auto-tool-choice
     metrics: ServerMetrics = field(init=False)
     _token_strs: dict[int, str] = field(default_factory=dict, init=False)
 
@@ -465,7 +487,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         if body.messages is not None:
             text, ids = render_chat(state.tokenizer, body.messages, body.add_generation_prompt,
-                                    body.continue_final_message, body.chat_template_kwargs)
+                                    body.continue_final_message, body.chat_template_kwargs, body.tools)
             if body.add_special_tokens:
                 ids = state.tokenizer.encode(text, add_special_tokens=True)
         elif body.prompt is not None:
@@ -527,7 +549,8 @@ class OpenAIServing:
     # ---- shared ----
 
     def sampling_params(self, req: p.SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         if req.n > self.state.max_n:
             raise ParamError(f"n must be at most {self.state.max_n}, got {req.n}", "n")
         logit_bias = None
@@ -554,8 +577,17 @@ class OpenAIServing:
         if top_k >= vocab:  # keeps every token, as no top-k at all does
             top_k = 0
         structured = self.structured_outputs(req)
+        if tool_constraint is not None:
+            if structured is not None:
+                raise ParamError("tool_choice required or a named function cannot be combined with another "
+                                 "structured-output constraint", "tool_choice")
+            self.state.grammar_compiler.compile(tool_constraint)
+            structured = tool_constraint
+        if req.thinking_token_budget is not None and self.state.reasoning is None:
+            raise ParamError("thinking_token_budget needs a reasoning model: start the server with "
+                             "--reasoning-parser", "thinking_token_budget")
         return SamplingParams(
-            structured_outputs=structured,
+            structured_outputs=structured, thinking_token_budget=req.thinking_token_budget,
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
             min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
@@ -762,8 +794,9 @@ class OpenAIServing:
     async def chat(self, req: p.ChatCompletionRequest, raw: Request):
         state = self.state
         state.check_model(req.model)
-        _, prompt_ids = render_chat(state.tokenizer, req.messages, req.add_generation_prompt,
-                                    req.continue_final_message, req.chat_template_kwargs, req.tools)
+        tool_mode, named_tool, tool_constraint = self._tool_choice(req)
+        prompt_text, prompt_ids = render_chat(state.tokenizer, req.messages, req.add_generation_prompt,
+                                              req.continue_final_message, req.chat_template_kwargs, req.tools)
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise ParamError("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -774,21 +807,63 @@ class OpenAIServing:
         if max_tokens is not None and max_tokens < 1:
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise ParamError(f"{param} must be at least 1, got {max_tokens}", param)
-        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                      tool_constraint=tool_constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+        def output_parser() -> ChatOutputParser:
+            splitter = ReasoningSplitter(state.reasoning, prompt_text) if state.reasoning is not None else None
+            tool_parser = TOOL_PARSERS[state.tool_call_parser]() if tool_mode == "auto" else None
+            return ChatOutputParser(splitter, req.include_reasoning, tool_mode, tool_parser, named_tool)
+
         stream = self._start(request_id, [prompt_ids], params, req.priority, raw, "chat")
         model, created = state.model_names[0], int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(self._chat_events(stream, prompt_ids, model, created, include_usage))
+            return EventStreamResponse(self._chat_events(stream, prompt_ids, model, created, include_usage,
+                                                         output_parser))
         choices = await self._run_to_completion(raw, stream, params.n)
         if isinstance(choices, Response):
             return choices
-        out = [p.ChatChoice(i, p.ChatResponseMessage("assistant", c.text),
-                            self._chat_logprobs(c.logprobs) if req.logprobs else None, c.finish_reason, c.stop_reason)
-               for i, c in enumerate(choices)]
+        out = []
+        for i, c in enumerate(choices):
+            parser = output_parser()
+            parser.feed(c.text)
+            parser.finish()
+            out.append(p.ChatChoice(i, parser.message(), self._chat_logprobs(c.logprobs) if req.logprobs else None,
+                                    parser.finish_reason(c.finish_reason), c.stop_reason))
         usage = self._usage([prompt_ids], sum(c.num_tokens for c in choices))
         return _json(p.ChatCompletionResponse(request_id, created, model, out, usage))
+
+    def _tool_choice(self, req: p.ChatCompletionRequest) -> tuple[str, str | None, StructuredOutputsParams | None]:
+        """(tool mode, named function, the grammar that enforces it), with vLLM's defaults and errors."""
+        choice = req.tool_choice
+        if choice is None:
+            choice = "auto" if req.tools else "none"
+        if not req.tools:
+            if choice != "none":
+                raise ParamError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+            return "none", None, None
+        tool_names(req.tools)  # validates the shape of each tool
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ParamError('tool_choice must be "none", "auto", "required" or '
+                                 '{"type": "function", "function": {"name": ...}}', "tool_choice")
+            schema = named_tool_schema(req.tools, fn["name"])
+            return "named", fn["name"], StructuredOutputsParams(json=schema)
+        if choice == "required":
+            return "required", None, StructuredOutputsParams(json=required_tools_schema(req.tools,
+                                                                                        req.parallel_tool_calls))
+        if choice == "auto":
+            if self.state.tool_call_parser is None:
+                raise ParamError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                 "to be set", "tool_choice")
+            return "auto", None, None
+        if choice == "none":
+            return "none", None, None
+        raise ParamError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
+                         "tool_choice")
 
     def _chat_logprobs(self, entries: list[tuple]) -> p.ChatLogprobs:
         content = []
@@ -800,10 +875,11 @@ class OpenAIServing:
         return p.ChatLogprobs(content)
 
     async def _chat_events(self, stream: GenerationStream, prompt_ids: list[int], model: str, created: int,
-                           include_usage: bool) -> AsyncIterator[bytes]:
+                           include_usage: bool, output_parser) -> AsyncIterator[bytes]:
         rid = stream.request_id
         want_logprobs = stream.params.logprobs is not None
         num_tokens = 0
+        parsers = [output_parser() for _ in range(stream.params.n)]
 
         def chunk(index: int, delta: p.DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
             return _sse(p.ChatCompletionChunk(rid, created, model, [
@@ -818,10 +894,17 @@ class OpenAIServing:
                     for d in deltas:
                         num_tokens += len(d.token_ids)
                         logprobs = self._chat_logprobs(d.logprobs) if want_logprobs and d.logprobs else None
-                        if d.text or logprobs is not None:
-                            events.append(chunk(d.index, p.DeltaMessage(content=d.text), logprobs))
+                        parser = parsers[d.index]
+                        parts = parser.feed(d.text) if d.text else []
                         if d.finish_reason is not None:
-                            events.append(chunk(d.index, p.DeltaMessage(), None, d.finish_reason, d.stop_reason))
+                            parts += parser.finish()
+                        if logprobs is not None and not parts:
+                            parts = [p.DeltaMessage()]  # the text is held back for now; its logprobs are not
+                        for j, part in enumerate(parts):
+                            events.append(chunk(d.index, part, logprobs if j == 0 else None))
+                        if d.finish_reason is not None:
+                            events.append(chunk(d.index, p.DeltaMessage(), None, parser.finish_reason(d.finish_reason),
+                                                d.stop_reason))
                     if events:
                         yield b"".join(events)
             except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream, then end it

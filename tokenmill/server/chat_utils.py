@@ -1,10 +1,24 @@
 """Chat messages → prompt text and token ids, through the tokenizer's chat template."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from tokenmill.sampling_params import ParamError
 from tokenmill.server.protocol import ChatMessage
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+SHIPPED_TEMPLATES = {path.stem: path for path in TEMPLATES_DIR.glob("*.jinja")}
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a shipped template's name, a file, or the Jinja text itself."""
+    if value in SHIPPED_TEMPLATES:
+        return SHIPPED_TEMPLATES[value].read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    return Path(value).read_text()
 
 
 def _content_text(message: ChatMessage, i: int) -> str:
@@ -21,6 +35,21 @@ def _content_text(message: ChatMessage, i: int) -> str:
                              "messages")
         texts.append(part.text)
     return "\n".join(texts)
+
+
+def _arguments_as_objects(tool_calls: list[dict]) -> list[dict]:
+    """Clients send assistant tool calls back with arguments as JSON text; chat templates expect objects."""
+    out = []
+    for call in tool_calls:
+        call = dict(call)
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call["function"] = {**fn, "arguments": json.loads(fn["arguments"])}
+            except ValueError:
+                pass  # not JSON: the template gets the text as sent
+        out.append(call)
+    return out
 
 
 def to_template_messages(tokenizer, messages: list[ChatMessage]) -> list[dict]:
@@ -40,7 +69,7 @@ def to_template_messages(tokenizer, messages: list[ChatMessage]) -> list[dict]:
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls is not None:
-            msg["tool_calls"] = m.tool_calls
+            msg["tool_calls"] = _arguments_as_objects(m.tool_calls)
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)

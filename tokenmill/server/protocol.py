@@ -74,6 +74,7 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsField | None = None
+    thinking_token_budget: int | None = None  # reasoning models: force the end of thinking after this many tokens
 
 
 class CompletionRequest(SamplingFields):
@@ -103,6 +104,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # with a reasoning parser: False drops reasoning_content
     # vLLM extras for the chat template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -114,6 +118,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -207,9 +212,22 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatLogprobToken]
 
 
-class ChatResponseMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ChatResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # null when the answer is only tool calls or only reasoning
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -220,9 +238,24 @@ class ChatChoice(msgspec.Struct):
     stop_reason: str | int | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A streamed piece of tool call `index`: the first carries id, type and name; the rest, argument text."""
+    index: int
+    function: DeltaFunctionCall
+    id: str | None = None
+    type: str | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -1,0 +1,113 @@
+"""One chat choice's generated text → the assistant message: reasoning, content and tool calls.
+
+The same parser serves both response shapes: streaming sends the deltas feed() returns, a plain response reads
+message() at the end, so the two always agree."""
+from __future__ import annotations
+
+import uuid
+
+from tokenmill.reasoning import ReasoningSplitter
+from tokenmill.server import protocol as p
+from tokenmill.server.tool_parsers import ParsedToolCall, parse_tool_calls
+
+
+def new_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class ChatOutputParser:
+    """tool_mode: "none" (text only), "auto" (tool_parser finds calls), "required" (the output is a JSON list of
+    {"name", "parameters"}, enforced by a grammar) or "named" (the output is the arguments of `named_tool`)."""
+
+    def __init__(self, splitter: ReasoningSplitter | None = None, include_reasoning: bool = True,
+                 tool_mode: str = "none", tool_parser=None, named_tool: str | None = None):
+        self.splitter, self.include_reasoning = splitter, include_reasoning
+        self.tool_mode, self.tool_parser, self.named_tool = tool_mode, tool_parser, named_tool
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.tool_calls: list[p.ToolCall] = []
+        self._required_text = ""
+
+    def feed(self, text: str) -> list[p.DeltaMessage]:
+        if self.splitter is None:
+            return self._answer(text)
+        reasoning, content = self.splitter.feed(text)
+        return self._reasoning(reasoning) + self._answer(content)
+
+    def finish(self) -> list[p.DeltaMessage]:
+        deltas = []
+        if self.splitter is not None:
+            reasoning, content = self.splitter.finish()
+            deltas = self._reasoning(reasoning) + self._answer(content)
+        if self.tool_mode == "auto":
+            content, calls = self.tool_parser.finish()
+            deltas += self._content(content) + self._calls(calls)
+        elif self.tool_mode == "required":
+            calls = parse_tool_calls(self._required_text)  # a list cut short by max_tokens is left as content
+            deltas += self._calls(calls) if calls is not None else self._content(self._required_text)
+        elif self.tool_mode == "named" and not self.tool_calls:
+            deltas += self._named("")
+        return deltas
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """OpenAI: "tool_calls" when the model chose to call (auto, required); a named choice stays "stop"."""
+        if engine_reason == "stop" and self.tool_calls and self.tool_mode in ("auto", "required"):
+            return "tool_calls"
+        return engine_reason
+
+    def message(self) -> p.ChatResponseMessage:
+        content = "".join(self.content)
+        if (self.tool_calls and not content.strip()) or (self.reasoning and not content):
+            content = None
+        return p.ChatResponseMessage("assistant", content, "".join(self.reasoning) if self.reasoning else None,
+                                     self.tool_calls or None)
+
+    # ---- routing ----
+
+    def _reasoning(self, text: str) -> list[p.DeltaMessage]:
+        if not text or not self.include_reasoning:
+            return []
+        self.reasoning.append(text)
+        return [p.DeltaMessage(reasoning_content=text)]
+
+    def _answer(self, text: str) -> list[p.DeltaMessage]:
+        if not text:
+            return []
+        if self.tool_mode == "auto":
+            content, calls = self.tool_parser.feed(text)
+            return self._content(content) + self._calls(calls)
+        if self.tool_mode == "required":
+            self._required_text += text  # a JSON list: its calls are known once it is complete
+            return []
+        if self.tool_mode == "named":
+            return self._named(text)
+        return self._content(text)
+
+    def _content(self, text: str) -> list[p.DeltaMessage]:
+        if not text:
+            return []
+        self.content.append(text)
+        return [p.DeltaMessage(content=text)]
+
+    def _calls(self, calls: list[ParsedToolCall]) -> list[p.DeltaMessage]:
+        deltas = []
+        for call in calls:
+            tc = p.ToolCall(new_tool_call_id(), p.FunctionCall(call.name, call.arguments))
+            deltas.append(p.DeltaMessage(tool_calls=[p.DeltaToolCall(
+                len(self.tool_calls), p.DeltaFunctionCall(call.name, call.arguments), tc.id, "function")]))
+            self.tool_calls.append(tc)
+        return deltas
+
+    def _named(self, arguments: str) -> list[p.DeltaMessage]:
+        """The grammar makes the whole answer the arguments: stream them as they come, after a header."""
+        deltas = []
+        if not self.tool_calls:
+            tc = p.ToolCall(new_tool_call_id(), p.FunctionCall(self.named_tool, ""))
+            self.tool_calls.append(tc)
+            deltas.append(p.DeltaMessage(tool_calls=[p.DeltaToolCall(
+                0, p.DeltaFunctionCall(self.named_tool, ""), tc.id, "function")]))
+        if arguments:
+            self.tool_calls[0].function.arguments += arguments
+            deltas.append(p.DeltaMessage(tool_calls=[p.DeltaToolCall(0, p.DeltaFunctionCall(arguments=arguments))]))
+        return deltas
+
