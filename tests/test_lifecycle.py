@@ -45,9 +45,13 @@ def test_request_larger_than_the_kv_pool_is_refused(lone_server):
 
 
 def test_burst_past_the_queue_limit_gets_503_with_retry_after(lone_server):
+    # ~240-token prompts: one step prefills only a few of them, so the burst piles up in the queue even when the
+    # client (sharing 2 cores with the server) sends slowly
+    prompt = "Tell me a story about a cat. " * 30
+
     async def one(client):
         start = time.monotonic()
-        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Tell me a story about a cat",
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
                                                        "max_tokens": 4, "ignore_eos": True})
         return r, time.monotonic() - start
 

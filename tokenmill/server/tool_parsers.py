@@ -115,9 +115,10 @@ TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 
 def tool_names(tools: list[dict]) -> list[str]:
+    """The functions' names; a 400 for a tool that is not {"type": "function", "function": {"name": ...}}."""
     names = []
     for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
+        fn = tool.get("function")
         if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(
                 fn.get("name"), str):
             raise ParamError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
