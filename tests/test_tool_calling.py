@@ -265,6 +265,14 @@ def test_tool_choice_errors(tool_server, server):  # noqa: F811 - server is the 
     with pytest.raises(openai.BadRequestError, match="get_date"):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "get_date"}})
+    bad_schema = {"type": "function", "function": {"name": "x", "parameters": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError, match="nonsense") as err:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, tools=[bad_schema],
+                                       tool_choice="required")
+    assert err.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match="64 bits"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK,
+                                       extra_body={"thinking_token_budget": 10**30})
     plain = server.openai()  # the shared server: no --enable-auto-tool-choice, no reasoning parser
     with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
         plain.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, tools=TOOLS)

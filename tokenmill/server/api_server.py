@@ -569,7 +569,7 @@ class OpenAIServing:
         if bad:
             raise ParamError(f"stop_token_ids: token id {bad[0]} is out of vocabulary (size {vocab})",
                              "stop_token_ids")
-        for name in ("seed", "top_k", "min_tokens", "priority"):
+        for name in ("seed", "top_k", "min_tokens", "priority", "thinking_token_budget"):
             value = getattr(req, name)
             if value is not None and not -2**63 <= value < 2**63:
                 raise ParamError(f"{name} must fit in 64 bits, got {value}", name)
@@ -581,7 +581,10 @@ class OpenAIServing:
             if structured is not None:
                 raise ParamError("tool_choice required or a named function cannot be combined with another "
                                  "structured-output constraint", "tool_choice")
-            self.state.grammar_compiler.compile(tool_constraint)
+            try:
+                self.state.grammar_compiler.compile(tool_constraint)
+            except ParamError as e:  # the schema came from a tool's parameters
+                raise ParamError(f"{e} (in the tools' parameters)", "tools") from None
             structured = tool_constraint
         if req.thinking_token_budget is not None and self.state.reasoning is None:
             raise ParamError("thinking_token_budget needs a reasoning model: start the server with "
