@@ -31,6 +31,20 @@ def tokenizer(default_gguf):
     return load_tokenizer(default_gguf)
 
 
+def single_threaded_llm(**engine_args):
+    """An offline LLM for a test module, run on one torch thread (yield from it in a module-scoped fixture).
+
+    Decoding a few sequences gains little from a second thread, and where other processes share the cores,
+    torch's thread pool then makes each step several times slower."""
+    from tokenmill import LLM
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(dtype="float32", **engine_args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF greedy continuation, forced to max_new_tokens (ignore EOS), one prompt at a time (no padding)."""
     with torch.inference_mode():

@@ -7,7 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tokenmill import LLM, SamplingParams
+from conftest import single_threaded_llm
+from tokenmill import SamplingParams
 
 PROMPT = "The little robot opened the door and"
 OTHER_PROMPTS = ["Once upon a time", "The best way to learn a new language is", "def fibonacci(n):"]
@@ -15,13 +16,8 @@ OTHER_PROMPTS = ["Once upon a time", "The best way to learn a new language is", 
 
 @pytest.fixture(scope="module")
 def llm():
-    # Decoding a few sequences gains little from a second thread, and where other processes share the cores,
-    # torch's thread pool then makes each step several times slower: this module runs single-threaded.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     # 256 MiB of KV cache cannot hold one sequence of the model's 8192 positions: cap the length.
-    yield LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
-    torch.set_num_threads(threads)
+    yield from single_threaded_llm(kv_cache_memory="256MiB", max_model_len=2048)
 
 
 def gen(llm, prompts, params):

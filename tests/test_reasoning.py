@@ -4,9 +4,9 @@ model: the budget forces `</think>`, and a grammar applies only after thinking."
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from conftest import single_threaded_llm
+from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.reasoning import REASONING_PARSERS, ReasoningSpec, ReasoningSplitter, ThinkingTracker, reasoning_spec
 from tokenmill.sampling_params import ParamError
 
@@ -105,10 +105,7 @@ def test_tracker_follows_natural_ends_and_opens():
 
 @pytest.fixture(scope="module")
 def llm():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024, reasoning_parser="qwen3")
-    torch.set_num_threads(threads)
+    yield from single_threaded_llm(kv_cache_memory="256MiB", max_model_len=1024, reasoning_parser="qwen3")
 
 
 def thinking_prompt(llm, question: str) -> str:

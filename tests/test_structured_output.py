@@ -8,10 +8,10 @@ import re
 import httpx
 import jsonschema
 import pytest
-import torch
 
 from server_utils import MODEL, server  # noqa: F401 - the fixture
-from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from conftest import single_threaded_llm
+from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.sampling_params import ParamError
 
 PERSON = {
@@ -39,10 +39,7 @@ number ::= [0-9] | [1-9] [0-9]
 
 @pytest.fixture(scope="module")
 def llm():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(dtype="float32", kv_cache_memory="512MiB", max_model_len=1024)
-    torch.set_num_threads(threads)
+    yield from single_threaded_llm(kv_cache_memory="512MiB", max_model_len=1024)
 
 
 def chat_prompt(llm, text: str) -> str:
