@@ -33,19 +33,19 @@ from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.engine.core_proc import EngineReady
 from tokenmill.engine.engine import validate_request
 from tokenmill.models.loader import load_tokenizer, resolve_model_path
+from tokenmill.reasoning import ReasoningSpec, ReasoningSplitter
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from tokenmill.server import protocol as p
-from tokenmill.reasoning import ReasoningSpec, ReasoningSplitter
 from tokenmill.server.chat_output import ChatOutputParser
 from tokenmill.server.chat_utils import SHIPPED_TEMPLATES, load_chat_template, render_chat
-from tokenmill.server.tool_parsers import TOOL_PARSERS, named_tool_schema, required_tools_schema, tool_names
 from tokenmill.server.engine_client import EngineClient, EngineDeadError, GenerationStream
 from tokenmill.server.errors import Overloaded, error_response
 from tokenmill.server.lifecycle import RETRY_AFTER_S, DrainingServer, Lifecycle, LifecycleApp
 from tokenmill.server.logs import configure_logging, request_id_var
-from tokenmill.server.tracing import RequestTrace, make_tracer
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.tool_parsers import TOOL_PARSERS, named_tool_schema, required_tools_schema, tool_names
+from tokenmill.server.tracing import RequestTrace, make_tracer
 
 logger = logging.getLogger("tokenmill.server")
 
