@@ -52,7 +52,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, priority: int, max_model_len: int,
                      max_logprobs: int, vocab_size: int, scheduling_policy: str,
-                     kv_capacity_tokens: int | None = None) -> int:
+                     kv_capacity_tokens: int | None = None, reasoning: bool = False) -> int:
     """Raises ParamError if the engine cannot take the request; returns its max_tokens. The API server calls
     it too, so that it can answer 400 before streaming starts."""
     if not prompt_token_ids:
@@ -80,6 +80,9 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, priori
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ParamError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})", param)
+    if params.thinking_token_budget is not None and not reasoning:
+        raise ParamError("thinking_token_budget needs a reasoning model: start with --reasoning-parser (or "
+                         "--think-start-str/--think-end-str)", "thinking_token_budget")
     if scheduling_policy == "fcfs" and priority != 0:
         raise ParamError("priority is only allowed with --scheduling-policy priority", "priority")
     return max_tokens
@@ -112,12 +115,9 @@ class EngineCore:
                     extra_keys: tuple = ()) -> Request:
         max_tokens = validate_request(prompt_token_ids, params, priority, self.max_model_len,
                                       self.config.max_logprobs, self.runner.vocab_size, self.scheduler.policy,
-                                      self.kv_cache.num_blocks * self.kv_cache.block_size)
+                                      self.kv_cache.num_blocks * self.kv_cache.block_size, self.reasoning is not None)
         request = Request(request_id, prompt_token_ids, params, eos_token_id, max_tokens, priority,
                           extra_keys, arrival_time)
-        if params.thinking_token_budget is not None and self.reasoning is None:
-            raise ParamError("thinking_token_budget needs a reasoning model: start the engine with "
-                             "--reasoning-parser (or --think-start-str/--think-end-str)", "thinking_token_budget")
         if self.reasoning is not None and (params.thinking_token_budget is not None
                                            or params.structured_outputs is not None):
             request.thinking = ThinkingTracker(self.reasoning, *self.think_ids, prompt_token_ids,

@@ -44,7 +44,7 @@ from tokenmill.server.lifecycle import RETRY_AFTER_S, DrainingServer, Lifecycle,
 from tokenmill.server.logs import configure_logging, request_id_var
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.tool_parsers import TOOL_PARSERS, named_tool_schema, required_tools_schema, tool_names
+from tokenmill.server.tool_parsers import TOOL_PARSERS, named_tool_schema, required_tools_schema, validate_tools
 from tokenmill.server.tracing import RequestTrace, make_tracer
 
 logger = logging.getLogger("tokenmill.server")
@@ -258,7 +258,7 @@ class ServerState:
         """The engine's own checks (context length, logprobs, vocabulary, priority), before anything is sent."""
         e = self.engine
         validate_request(prompt_ids, params, priority, e.max_model_len, e.max_logprobs, e.vocab_size,
-                         e.scheduling_policy, e.num_blocks * e.block_size)
+                         e.scheduling_policy, e.num_blocks * e.block_size, self.reasoning is not None)
 
     def check_queue(self, prompts: list[list[int]]) -> None:
         """Backpressure: refuse work past the queue limits instead of queueing without bound."""
@@ -586,9 +586,6 @@ class OpenAIServing:
             except ParamError as e:  # the schema came from a tool's parameters
                 raise ParamError(f"{e} (in the tools' parameters)", "tools") from None
             structured = tool_constraint
-        if req.thinking_token_budget is not None and self.state.reasoning is None:
-            raise ParamError("thinking_token_budget needs a reasoning model: start the server with "
-                             "--reasoning-parser", "thinking_token_budget")
         return SamplingParams(
             structured_outputs=structured, thinking_token_budget=req.thinking_token_budget,
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -847,7 +844,7 @@ class OpenAIServing:
             if choice != "none":
                 raise ParamError("When using `tool_choice`, `tools` must be set.", "tool_choice")
             return "none", None, None
-        tool_names(req.tools)  # validates the shape of each tool
+        validate_tools(req.tools)
         if isinstance(choice, dict):
             fn = choice.get("function")
             if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

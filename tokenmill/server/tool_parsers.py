@@ -114,16 +114,13 @@ class Llama3JsonToolParser:
 TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 
-def tool_names(tools: list[dict]) -> list[str]:
-    """The functions' names; a 400 for a tool that is not {"type": "function", "function": {"name": ...}}."""
-    names = []
+def validate_tools(tools: list[dict]) -> None:
+    """A 400 for a tool that is not {"type": "function", "function": {"name": ...}}."""
     for i, tool in enumerate(tools):
         fn = tool.get("function")
         if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(
                 fn.get("name"), str):
             raise ParamError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
-        names.append(fn["name"])
-    return names
 
 
 def _parameters(tool: dict) -> dict:
