@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     tp = bench.add_parser("throughput", help="offline throughput of the engine")
     throughput.add_cli_args(tp)
     tp.set_defaults(func=throughput.main)
+    from tokenmill.bench import step
+    st = bench.add_parser("step", help="where one engine step's time goes: ops, sampling, scheduling, front end")
+    step.add_cli_args(st)
+    st.set_defaults(func=step.main)
     from tokenmill.bench import serve as bench_serve
     bs = bench.add_parser("serve", help="goodput of an OpenAI-compatible endpoint: sweeps, SLOs, reports",
                           allow_abbrev=False)  # with --launch, unknown flags go to `tokenmill serve` whole

@@ -28,6 +28,9 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "most requests in one batch"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs|priority", "choices": ["fcfs", "priority"]})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "auto (tokenmill's CPU kernels where they serve, else torch_sdpa) | cpu | torch_sdpa (the pure-torch "
+                "reference)", "choices": ["auto", "cpu", "torch_sdpa"]})
     max_logprobs: int = field(default=20, metadata={"help": "most logprobs a request may ask for"})
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "split <think> reasoning into reasoning_content: deepseek_r1|qwen3", "choices": ["deepseek_r1", "qwen3"]})

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import psutil
 import torch
 
@@ -11,7 +12,7 @@ from tokenmill.config import EngineConfig, parse_memory
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import LogprobEntry, Sampler, logprob_entries
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.models.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, get_attention_backend
 from tokenmill.models.loader import ModelInfo, load_model, resolve_dtype
 
 logger = logging.getLogger("tokenmill.runner")
@@ -39,14 +40,18 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, info.hf_config, self.device)
         self.block_size = config.block_size
         self.model = load_model(info, self.dtype, self.device, max_model_len)
-        self.backend = get_attention_backend()
+        self.backend = get_attention_backend(config.attention_backend, self.device, self.dtype, self.block_size,
+                                             self.model.head_dim)
+        kernels = self.backend.ops if isinstance(self.backend, CPUKernelBackend) else None
+        self.model.use_cpu_kernels(kernels)
         self.vocab_size = info.hf_config.vocab_size
-        self.sampler = Sampler(self.vocab_size, self.device, config.seed)
+        self.sampler = Sampler(self.vocab_size, self.device, config.seed, kernels)
         self.structured = None  # the engine's StructuredOutputManager
         self.num_blocks = self._num_blocks(max_model_len)
-        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        k_shape, v_shape = self.backend.kv_cache_shapes(self.num_blocks, self.block_size, self.model.num_kv_heads,
+                                                        self.model.head_dim)
+        self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(v_shape, dtype=self.dtype, device=self.device))
                           for _ in range(len(self.model.layers))]
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB, dtype %s",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
@@ -76,49 +81,65 @@ class ModelRunner:
                              f"of max_model_len={max_model_len}; raise --kv-cache-memory or lower --max-model-len")
         return int(num_blocks)
 
+    def _metadata(self, order: list[Request], query_lens: list[int],
+                  block_tables: dict[str, list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step's input ids and attention metadata, built in numpy and handed to torch without copies."""
+        bs = self.block_size
+        starts = [r.num_computed_tokens for r in order]
+        context_lens = [s + n for s, n in zip(starts, query_lens)]
+        num_tokens = sum(query_lens)
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        seq_of_token = np.empty(num_tokens, dtype=np.int64)
+        tables = np.zeros((len(order), -(-max(context_lens) // bs)), dtype=np.int32)
+        query_start_loc = np.zeros(len(order) + 1, dtype=np.int32)
+        offset = 0
+        for i, (r, start, ctx) in enumerate(zip(order, starts, context_lens)):
+            end = offset + ctx - start
+            if ctx - start == 1:
+                input_ids[offset] = r.all_token_ids[start]
+                positions[offset] = start
+            else:
+                input_ids[offset:end] = r.all_token_ids[start:ctx]
+                positions[offset:end] = np.arange(start, ctx)
+            seq_of_token[offset:end] = i
+            num_blocks = -(-ctx // bs)
+            tables[i, :num_blocks] = block_tables[r.request_id][:num_blocks]
+            offset = query_start_loc[i + 1] = end
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=torch.from_numpy(positions).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev), num_decodes=sum(1 for n in query_lens if n == 1),
+            query_lens=query_lens, context_lens=context_lens)
+        return torch.from_numpy(input_ids).to(dev), meta
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> RunnerOutput:
-        bs = self.block_size
-        # Decodes first: they share one batched attention call.
+        # Decodes first: the torch backend batches them into one call.
         order = sorted(sched.requests, key=lambda r: sched.num_scheduled_tokens[r.request_id] != 1)
-        input_ids, positions, slots = [], [], []
+        query_lens = [sched.num_scheduled_tokens[r.request_id] for r in order]
         logits_rows: list[int] = []
         sampling: list[Request] = []
         prompt_lp: list[tuple[Request, int, int]] = []  # (request, first flat index, count)
-        decode_tables, decode_lens, prefills = [], [], []
-        for r in order:
-            n = sched.num_scheduled_tokens[r.request_id]
+        flat_start = 0
+        for r, n in zip(order, query_lens):
             start, end = r.num_computed_tokens, r.num_computed_tokens + n
-            table = block_tables[r.request_id]
-            flat_start = len(input_ids)
-            input_ids.extend(r.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1:
-                decode_tables.append(table[:-(-end // bs)])
-                decode_lens.append(end)
-            else:
-                prefills.append((flat_start, flat_start + n, end, table[:-(-end // bs)]))
             if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens and not r.num_preemptions:
                 prompt_lp.append((r, flat_start, min(end, r.num_prompt_tokens) - start))
             if end == r.num_tokens:
                 logits_rows.append(flat_start + n - 1)
                 sampling.append(r)
+            flat_start += n
 
-        dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), num_decodes=len(decode_tables))
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        meta.prefills = [PrefillChunk(s, e, ctx, torch.tensor(t, device=dev)) for s, e, ctx, t in prefills]
-
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                            self.kv_caches, meta, self.backend)
+        input_ids, meta = self._metadata(order, query_lens, block_tables)
+        hidden = self.model(input_ids, self.kv_caches, meta, self.backend)
         out = RunnerOutput({}, {}, {})
         if sampling:
-            logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
+            rows = hidden[logits_rows] if len(logits_rows) < hidden.shape[0] else hidden
+            logits = self.model.compute_logits(rows)
             constrain = None
             if self.structured is not None and self.structured.matchers:
                 ids = [None if r.is_thinking else r.request_id for r in sampling]

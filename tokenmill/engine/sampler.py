@@ -47,9 +47,10 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, ops=None):
         self.vocab_size = vocab_size
         self.device = device
+        self.ops = ops  # tokenmill's CPU kernels (argmax), or None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -65,7 +66,7 @@ class Sampler:
 
         greedy = [r.params.greedy for r in requests]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = self._argmax(logits)
         else:
             tokens = self._draw(logits, requests, greedy)
 
@@ -76,6 +77,12 @@ class Sampler:
             for i, e in zip(rows, got):
                 entries[i] = e
         return SamplerOutput(tokens.tolist(), entries)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        # The kernel splits rows across threads; torch's argmax runs a row on one.
+        if self.ops is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            return self.ops.argmax(logits)
+        return logits.argmax(dim=-1)
 
     def _apply_bias_and_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         edited = False
@@ -157,7 +164,7 @@ class Sampler:
                 uniforms[i] = torch.rand(1, dtype=torch.float64, device=dev, generator=r.generator)[0]
         sampled = sample_inverse_cdf(probs, uniforms)
         if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
+            sampled = torch.where(torch.tensor(greedy, device=dev), self._argmax(logits), sampled)
         return sampled
 
     @staticmethod

@@ -1,89 +1,182 @@
-"""Attention over the paged KV cache.
+"""Attention over the paged KV cache, behind one interface with two backends.
 
-The batch is flat: decodes (one query token each) come first, then prefill chunks. New K/V of every token are
-written into their slots before any sequence reads, so a chunk or a request admitted in the same step can read
-blocks another request is writing in this very step. A backend implements `forward`; the runner builds the
-metadata once per step and every layer reuses it."""
+The batch is flat: decodes (one query token each) come first, then prefill chunks. Sequence s owns query rows
+query_start_loc[s]:query_start_loc[s+1] and, after this step, seq_lens[s] tokens of KV in the blocks of row s of
+block_tables; its newest token is its last query row. New K/V of every token are written into their slots
+before any sequence reads, so a chunk or a request admitted in the same step can read blocks another request
+is writing in this very step. The runner builds the metadata once per step and every layer reuses it.
+
+A backend takes a layer's fused qkv projection and returns the attention output: it applies the layer's q/k
+norms (Qwen3) and RoPE, writes K/V to the cache and attends.
+- `cpu`: tokenmill's kernels (tokenmill/kernels): RoPE fused with the cache write, and one varlen paged
+  attention call for decode rows and prefill chunks together, reading each KV block in place.
+- `torch_sdpa`: gathers each sequence's blocks and calls torch's scaled_dot_product_attention; the reference
+  for the kernels, and the path on CUDA or where the kernels cannot be built."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class PrefillChunk:
-    query_start: int
-    query_end: int
-    context_len: int  # tokens in the cache after this step, this chunk's included
-    block_ids: torch.Tensor  # the blocks that hold those context_len tokens
+logger = logging.getLogger("tokenmill.attention")
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] flat slot = block_id * block_size + offset
-    num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot = block_id * block_size + offset
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: KV tokens after this step, this step's included
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with block 0
+    num_decodes: int = 0  # the first num_decodes sequences have one query token each
+    query_lens: list[int] = field(default_factory=list)  # per sequence, on the host
+    context_lens: list[int] = field(default_factory=list)  # seq_lens on the host
+    rope: torch.nn.Module | None = None  # the model's RotaryEmbedding (cos/sin tables), set by the model
+    derived: dict = field(default_factory=dict)  # per-step tensors a backend derives once for all layers
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache[block_ids] as whole-block row copies: on the CPU, index_select of flat rows moves the bytes about
-    twice as fast as advanced indexing, and this gather is most of decode attention's time."""
+    twice as fast as advanced indexing."""
     return cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, *cache.shape[1:])
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
 class TorchSDPABackend:
-    """Gathers each sequence's blocks and calls torch's scaled_dot_product_attention; runs on CPU and CUDA."""
+    """Runs on CPU and CUDA with torch ops only."""
 
     name = "torch_sdpa"
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        num_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    @staticmethod
+    def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return shape, shape
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]."""
-        self.write_kv(k, v, k_cache, v_cache, meta)
+    def forward(self, layer, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """layer: the model's Attention (head counts, norms, scale); qkv: [T, (Hq + 2 Hkv) * D]. Returns [T, Hq, D]."""
+        q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        k = k.view(-1, layer.num_kv_heads, layer.head_dim)
+        v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = self._cos_sin(meta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+        return self._attend(q, k, v, k_cache, v_cache, meta, layer.scale)
+
+    @staticmethod
+    def _cos_sin(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("cos_sin", dtype)
+        if key not in meta.derived:
+            meta.derived[key] = meta.rope(meta.positions, dtype)
+        return meta.derived[key]
+
+    @staticmethod
+    def _decode_inputs(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' block tables (flattened) and their [d, 1, 1, keys] mask, once per step."""
+        if "decode" not in meta.derived:
+            d = meta.num_decodes
+            width = -(-max(meta.context_lens[:d]) // block_size)
+            tables = meta.block_tables[:d, :width].long()
+            lens = meta.seq_lens[:d].long()
+            mask = (torch.arange(width * block_size, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+            meta.derived["decode"] = tables.flatten(), mask
+        return meta.derived["decode"]
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         d = meta.num_decodes
         if d:
-            num_blocks = meta.decode_block_tables.shape[1]
-            kv_shape = (d, num_blocks * k_cache.shape[1], k_cache.shape[2], k_cache.shape[3])
-            flat_table = meta.decode_block_tables.flatten()
+            flat_table, mask = self._decode_inputs(meta, k_cache.shape[1])
+            kv_shape = (d, -1, k_cache.shape[2], k_cache.shape[3])
             keys = gather_blocks(k_cache, flat_table).view(kv_shape).transpose(1, 2)
             values = gather_blocks(v_cache, flat_table).view(kv_shape).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                               scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)
             out[:d] = o.squeeze(2)
-        for chunk in meta.prefills:
-            s, e = chunk.query_start, chunk.query_end
-            qs = q[s:e].transpose(0, 1)
-            if chunk.context_len == e - s:  # nothing cached before this chunk: plain causal attention
-                ks, vs, mask, causal = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), None, True
+        start = d
+        for s in range(d, len(meta.query_lens)):
+            n, ctx = meta.query_lens[s], meta.context_lens[s]
+            e = start + n
+            qs = q[start:e].transpose(0, 1)
+            if ctx == n:  # nothing cached before this chunk: plain causal attention
+                ks, vs, mask, causal = k[start:e].transpose(0, 1), v[start:e].transpose(0, 1), None, True
             else:
-                ks = gather_blocks(k_cache, chunk.block_ids).flatten(0, 1)[:chunk.context_len].transpose(0, 1)
-                vs = gather_blocks(v_cache, chunk.block_ids).flatten(0, 1)[:chunk.context_len].transpose(0, 1)
-                first_pos = chunk.context_len - (e - s)
-                qpos = torch.arange(first_pos, chunk.context_len, device=q.device)
-                kpos = torch.arange(chunk.context_len, device=q.device)
+                blocks = meta.block_tables[s, :-(-ctx // k_cache.shape[1])].long()
+                ks = gather_blocks(k_cache, blocks).flatten(0, 1)[:ctx].transpose(0, 1)
+                vs = gather_blocks(v_cache, blocks).flatten(0, 1)[:ctx].transpose(0, 1)
+                qpos = torch.arange(ctx - n, ctx, device=q.device)
+                kpos = torch.arange(ctx, device=q.device)
                 mask, causal = kpos[None, :] <= qpos[:, None], False
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale,
                                                enable_gqa=gqa)
-            out[s:e] = o.transpose(0, 1)
+            out[start:e] = o.transpose(0, 1)
+            start = e
         return out
 
 
-ATTENTION_BACKENDS = {TorchSDPABackend.name: TorchSDPABackend}
+class CPUKernelBackend:
+    """tokenmill's C++ kernels: float32 or bfloat16 on the CPU."""
+
+    name = "cpu"
+
+    BLOCK_SIZES = (16, 32, 64, 128)  # the kernel is compiled for these
+    HEAD_DIM_MULTIPLE = 32
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    @staticmethod
+    def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
+        """K transposed within a block ([dims][tokens]), so that scores over a block are vector FMAs; one head's
+        block is contiguous in both."""
+        return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def forward(self, layer, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        q = torch.empty(qkv.shape[0], layer.num_heads, layer.head_dim, dtype=qkv.dtype)
+        norm = layer.q_norm is not None
+        self.ops.rope_and_cache(qkv, meta.positions, meta.rope.cos, meta.rope.sin, k_cache, v_cache,
+                                meta.slot_mapping, q, layer.q_norm.weight if norm else None,
+                                layer.k_norm.weight if norm else None, layer.q_norm.eps if norm else 0.0)
+        out = torch.empty_like(q)
+        self.ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                 meta.query_start_loc, layer.scale)
+        return out
 
 
-def get_attention_backend(name: str = "torch_sdpa"):
+ATTENTION_BACKENDS = ("auto", CPUKernelBackend.name, TorchSDPABackend.name)
+
+
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int):
+    """auto: the CPU kernels where they serve this device, dtype and shape, else torch_sdpa. The choice is logged."""
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name]()
+        raise ValueError(f"unknown attention backend {name!r}; choose from {list(ATTENTION_BACKENDS)}")
+    if name in ("auto", CPUKernelBackend.name):
+        from tokenmill.kernels import cpu_ops
+        usable = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                  and block_size in CPUKernelBackend.BLOCK_SIZES and head_dim % CPUKernelBackend.HEAD_DIM_MULTIPLE == 0)
+        ops = cpu_ops() if usable else None
+        if ops is not None:
+            logger.info("attention backend: cpu (tokenmill kernels, %s)", ops.name.removeprefix("tokenmill_"))
+            return CPUKernelBackend(ops)
+        if name == CPUKernelBackend.name:
+            raise ValueError(f"--attention-backend cpu needs the CPU kernels, on the CPU, in float32 or bfloat16, "
+                             f"with a block size in {CPUKernelBackend.BLOCK_SIZES} and a head_dim that is a multiple "
+                             f"of {CPUKernelBackend.HEAD_DIM_MULTIPLE} (device {device.type}, dtype {dtype}, block "
+                             f"size {block_size}, head_dim {head_dim}; the log says why kernels are missing)")
+    logger.info("attention backend: torch_sdpa")
+    return TorchSDPABackend()

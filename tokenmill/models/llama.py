@@ -1,7 +1,10 @@
 """The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a flat token batch and a paged KV cache.
 
 Every linear layer sees [num_tokens, hidden]; only attention knows where one sequence ends. q/k/v and
-gate/up are fused at load time: fewer, larger matmuls matter on CPU."""
+gate/up are fused at load time: fewer, larger matmuls matter on CPU. The residual stream is carried beside
+the hidden state (vLLM's layout), so that on the CPU the residual add and the next RMSNorm are one kernel;
+`use_cpu_kernels` switches the norms and the activation to tokenmill's kernels, with the torch code as the
+reference and fallback."""
 from __future__ import annotations
 
 import torch
@@ -14,12 +17,28 @@ from tokenmill.models.linear import Linear, linear, pack_weight
 
 
 class RMSNorm(nn.Module):
+    ops = None  # tokenmill's CPU kernels, when the model runs on them
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual: residual += x, then (norm(residual), residual)."""
+        if self.ops is not None and x.dim() == 2:
+            if residual is None:
+                out = torch.empty_like(x)
+                self.ops.rms_norm(out, x, self.weight, self.eps)
+                return out
+            self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # In float32, as the reference implementation does; bf16 variance loses too much.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,12 +68,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
@@ -69,19 +82,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    def forward(self, x, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+        out = backend.forward(self, self.qkv_proj(x), kv_cache, meta)  # norms, RoPE, cache write, attention
+        return self.o_proj(out.view(-1, self.q_size))
 
 
 class MLP(nn.Module):
+    ops = None  # tokenmill's CPU kernels, when the model runs on them
+
     def __init__(self, config):
         super().__init__()
         self.intermediate = config.intermediate_size
@@ -89,8 +97,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            act = torch.empty(x.shape[0], self.intermediate, dtype=x.dtype)
+            self.ops.silu_and_mul(act, gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -101,9 +115,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, kv_cache, meta, backend):
+        """Returns (this layer's MLP output, the residual stream before it); the next norm adds them."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,13 +154,19 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:  # the embedding keeps its dense weight for the lookup
             self.tied_lm_head_packed = pack_weight(self.embed_tokens.weight)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
-                meta: AttentionMetadata, backend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+    def use_cpu_kernels(self, ops) -> None:
+        """Norms and the MLP activation on tokenmill's CPU kernels (None: back to torch ops)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.ops = ops
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple], meta: AttentionMetadata,
+                backend) -> torch.Tensor:
+        meta.rope = self.rotary
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, kv_cache, meta, backend)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -137,7 +137,6 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
     with torch.device("meta"):
         model = cls(info.hf_config, max_positions, **options)
     model = model.to_empty(device=device)
-    model.rotary = RotaryEmbedding(info.hf_config, max_positions).to(device)  # computed, not loaded
     if info.gguf_arch:
         from gguf import GGUFReader
 
@@ -153,5 +152,7 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
     model = model.to(dtype).eval()
+    # computed, not loaded, and kept in float32 (the CPU kernels read these tables; torch casts per step)
+    model.rotary = RotaryEmbedding(info.hf_config, max_positions).to(device)
     model.pack_weights()
     return model

@@ -1,0 +1,3 @@
+from tokenmill.kernels.build import main
+
+raise SystemExit(main())

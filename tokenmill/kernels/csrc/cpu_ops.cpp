@@ -1,0 +1,689 @@
+// tokenmill's CPU kernels: paged attention over decode rows and prefill chunks in one call, RoPE fused with the
+// KV-cache write, RMSNorm (plain and fused with the residual add), SiLU-and-mul, and greedy argmax.
+//
+// One source, compiled once per ISA (-mavx512f..., or -mavx2 -mfma) by tokenmill/kernels/build.py; the loader
+// picks the build that matches the CPU's flags. The loops are written so that GCC vectorizes them for the ISA
+// at hand: contiguous fp32 inner loops, bf16 converted by integer shifts. Storage is float32 or bfloat16;
+// arithmetic is float32 throughout.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// ---- bf16 <-> fp32 by bits, so that the loops vectorize ----
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does (NaN is not expected here)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+  using raw = float;
+  static inline float load(raw x) { return x; }
+  static inline raw store(float x) { return x; }
+};
+template <> struct Elem<at::BFloat16> {
+  using raw = uint16_t;
+  static inline float load(raw x) { return bf16_to_float(x); }
+  static inline raw store(float x) { return float_to_bf16(x); }
+};
+
+template <typename T>
+inline void load_row(float* __restrict dst, const typename Elem<T>::raw* __restrict src, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = Elem<T>::load(src[i]);
+}
+template <typename T>
+inline void store_row(typename Elem<T>::raw* __restrict dst, const float* __restrict src, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = Elem<T>::store(src[i]);
+}
+// Round through the storage type: keeps the float32 value a bf16 op would have produced.
+template <typename T>
+inline float round_to(float x) { return Elem<T>::load(Elem<T>::store(x)); }
+
+// exp for the softmax, vectorizable (Cephes' single-precision polynomial, ~1 ulp); x <= 0 here.
+inline float exp_approx(float x) {
+  x = std::max(x, -87.0f);
+  float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  int32_t e = (static_cast<int32_t>(fx) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return y * scale;
+}
+
+// ---- a float vector of the build's width: 16 lanes (AVX-512) or 8 (AVX2), for the attention inner loops ----
+#if defined(__AVX512F__)
+using vfloat = __m512;
+constexpr int VL = 16;
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline vfloat vmin(vfloat a, vfloat b) { return _mm512_min_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
+inline vfloat vfloor(vfloat a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline vfloat vpow2i(vfloat n) {  // 2^n for integral n in the normal range
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+inline float vreduce_max(vfloat a) { return _mm512_reduce_max_ps(a); }
+inline float vreduce_add(vfloat a) { return _mm512_reduce_add_ps(a); }
+#else
+using vfloat = __m256;
+constexpr int VL = 8;
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline vfloat vmin(vfloat a, vfloat b) { return _mm256_min_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
+inline vfloat vfloor(vfloat a) { return _mm256_floor_ps(a); }
+inline vfloat vpow2i(vfloat n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline float vreduce_max(vfloat a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float vreduce_add(vfloat a) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+#endif
+
+// exp_approx on a vector, for x <= 88 (same polynomial).
+inline vfloat vexp(vfloat x) {
+  x = vmax(x, vset1(-87.0f));
+  const vfloat fx = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  x = vfma(fx, vset1(2.12194440e-4f), vfma(fx, vset1(-0.693359375f), x));
+  vfloat y = vset1(1.9875691500e-4f);
+  y = vfma(y, x, vset1(1.3981999507e-3f));
+  y = vfma(y, x, vset1(8.3334519073e-3f));
+  y = vfma(y, x, vset1(4.1665795894e-2f));
+  y = vfma(y, x, vset1(1.6666665459e-1f));
+  y = vfma(y, x, vset1(5.0000001201e-1f));
+  y = vadd(vfma(vmul(y, x), x, x), vset1(1.0f));
+  return vmul(y, vpow2i(fx));
+}
+// vexp, and exactly 0 where x <= -87 (masked keys carry -1e30)
+inline vfloat vexp_masked(vfloat x) {
+#if defined(__AVX512F__)
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-87.0f), _CMP_GT_OQ), vexp(x));
+#else
+  return _mm256_and_ps(vexp(x), _mm256_cmp_ps(x, vset1(-87.0f), _CMP_GT_OQ));
+#endif
+}
+
+template <typename T>
+inline typename Elem<T>::raw* raw_ptr(const at::Tensor& t) {
+  return reinterpret_cast<typename Elem<T>::raw*>(t.data_ptr());
+}
+
+#define TM_DISPATCH(dtype, NAME, ...)                                              \
+  [&] {                                                                             \
+    if ((dtype) == at::kFloat) { using scalar_t = float; return __VA_ARGS__(); }    \
+    if ((dtype) == at::kBFloat16) { using scalar_t = at::BFloat16; return __VA_ARGS__(); } \
+    TORCH_CHECK(false, NAME ": float32 or bfloat16 only, got ", dtype);             \
+  }()
+
+// ---------------------------------------------------------------------------------------------------------
+// Paged attention, varlen: sequence s owns query rows [query_start_loc[s], query_start_loc[s+1]) and, after
+// this step, seq_lens[s] tokens of KV in the blocks block_tables[s, :]. Its last query row is the newest token,
+// so query row i of a chunk of q_len rows sits at position seq_lens[s] - q_len + i and attends to keys 0..pos
+// (causal). Decode rows (q_len 1) and prefill chunks with cached context are the same case.
+//
+// KV layout (this backend's own): k_cache [blocks, kv_heads, head_dim, block_size] (K transposed within a
+// block), v_cache [blocks, kv_heads, block_size, head_dim]. A block of one head is contiguous, and the scores
+// of a query row against a whole block are one chain of vector FMAs over head_dim with no horizontal sums.
+//
+// Work item: (sequence, KV head, tile of query tokens). The query heads that share the KV head (GQA) are
+// processed together, so each KV block is read once per item. The online softmax works a block at a time. A
+// decode with a long context in a small batch is split along the context (flash-decoding) so that every
+// thread has work, and the parts are merged at the end.
+// ---------------------------------------------------------------------------------------------------------
+struct WorkItem {
+  int seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence, relative to its start
+  int kv_begin, kv_end;              // the keys this item covers (a split covers part of the context)
+  int partial;                       // -1: writes the output; else the index of its partial-result slot
+};
+
+constexpr int kQueryTile = 16;     // query tokens per item (times the GQA group = rows)
+constexpr int kSplitTokens = 256;  // context per part when a decode is split
+constexpr int kRowBlock = 4;       // query rows whose scores are computed together (kept in registers)
+constexpr int kDimChunk = 32;      // head_dim must be a multiple of this (two AVX-512 vectors)
+
+struct AttnShape {
+  int num_heads, num_kv_heads, head_dim;
+  float scale;
+};
+
+// Scores of kRowBlock query rows against a block at a time: p[r][j] = q_r . k_j, with K transposed ([D][B]).
+// The accumulators stay in registers: two independent chains per row (two key vectors, or even and odd dims).
+template <int B>
+inline void block_scores(const float* qf, const float* kt, float* p, int R4, int D) {
+  constexpr int NKV = B / VL;
+  constexpr int NJ = NKV >= 2 ? 2 : 1;  // key vectors per pass
+  constexpr int ND = 2 / NJ;            // interleaved partial sums over head_dim
+  for (int r0 = 0; r0 < R4; r0 += kRowBlock) {
+    for (int jv = 0; jv < NKV; jv += NJ) {
+      vfloat acc[kRowBlock][NJ][ND];
+      for (int i = 0; i < kRowBlock; ++i)
+        for (int j = 0; j < NJ; ++j)
+          for (int e = 0; e < ND; ++e) acc[i][j][e] = vzero();
+      for (int d = 0; d < D; d += ND) {
+        for (int e = 0; e < ND; ++e) {
+          vfloat kv[NJ];
+          for (int j = 0; j < NJ; ++j) kv[j] = vload(kt + (d + e) * B + (jv + j) * VL);
+          for (int i = 0; i < kRowBlock; ++i) {
+            const vfloat q = vset1(qf[(r0 + i) * D + d + e]);
+            for (int j = 0; j < NJ; ++j) acc[i][j][e] = vfma(q, kv[j], acc[i][j][e]);
+          }
+        }
+      }
+      for (int i = 0; i < kRowBlock; ++i) {
+        for (int j = 0; j < NJ; ++j) {
+          vfloat total = acc[i][j][0];
+          for (int e = 1; e < ND; ++e) total = vadd(total, acc[i][j][e]);
+          vstore(p + (r0 + i) * B + (jv + j) * VL, total);
+        }
+      }
+    }
+  }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_j p[r][j] v_j over keys [lo, n), kRowBlock rows and two vectors of head_dim
+// at a time, in registers: each V row is loaded once per row block.
+inline void block_values(const float* p, const float* vf, float* acc, const float* corr, int R4, int D, int B,
+                         int lo, int n) {
+  for (int r0 = 0; r0 < R4; r0 += kRowBlock) {
+    for (int d0 = 0; d0 < D; d0 += 2 * VL) {
+      vfloat a[kRowBlock][2];
+      for (int i = 0; i < kRowBlock; ++i) {
+        const vfloat c = vset1(corr[r0 + i]);
+        a[i][0] = vmul(vload(acc + (r0 + i) * D + d0), c);
+        a[i][1] = vmul(vload(acc + (r0 + i) * D + d0 + VL), c);
+      }
+      for (int j = lo; j < n; ++j) {
+        const vfloat v0 = vload(vf + j * D + d0), v1 = vload(vf + j * D + d0 + VL);
+        for (int i = 0; i < kRowBlock; ++i) {
+          const vfloat pj = vset1(p[(r0 + i) * B + j]);
+          a[i][0] = vfma(pj, v0, a[i][0]);
+          a[i][1] = vfma(pj, v1, a[i][1]);
+        }
+      }
+      for (int i = 0; i < kRowBlock; ++i) {
+        vstore(acc + (r0 + i) * D + d0, a[i][0]);
+        vstore(acc + (r0 + i) * D + d0 + VL, a[i][1]);
+      }
+    }
+  }
+}
+
+template <typename T, int B>
+void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename Elem<T>::raw* out,
+                    const typename Elem<T>::raw* k_cache, const typename Elem<T>::raw* v_cache,
+                    const int32_t* block_table, int ctx_len, int q_len, const AttnShape& shape,
+                    float* partial_out, std::vector<float>& scratch) {
+  const int D = shape.head_dim, Hkv = shape.num_kv_heads, G = shape.num_heads / Hkv;
+  const int tokens = w.q_end - w.q_begin, R = tokens * G;
+  const int R4 = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
+  scratch.resize(static_cast<size_t>(R4) * D * 2 + static_cast<size_t>(R4) * (B + 4) + 2 * B * D);
+  float* qf = scratch.data();  // [R4][D], scaled, rows past R zero
+  float* acc = qf + R4 * D;    // [R4][D]
+  float* p = acc + R4 * D;     // [R4][B] scores, then probabilities
+  float* m = p + R4 * B;       // running max per row
+  float* l = m + R4;           // running sum per row
+  float* corr = l + R4;        // this block's rescaling of each row's accumulator
+  int* last = reinterpret_cast<int*>(corr + R4);  // the last key position each row may see
+  float* kt = reinterpret_cast<float*>(last + R4);  // [D][B]
+  float* vf = kt + B * D;      // [B][D]
+  const int64_t q_row_stride = static_cast<int64_t>(shape.num_heads) * D;
+  const int first_pos = ctx_len - q_len;
+  std::fill(qf, qf + R4 * D, 0.0f);
+  std::fill(acc, acc + R4 * D, 0.0f);
+  for (int t = 0; t < tokens; ++t) {
+    for (int g = 0; g < G; ++g) {
+      const int r = t * G + g;
+      const auto* src = q + (w.q_begin + t) * q_row_stride + (w.kv_head * G + g) * D;
+      load_row<T>(qf + r * D, src, D);
+#pragma omp simd
+      for (int d = 0; d < D; ++d) qf[r * D + d] *= shape.scale;
+      m[r] = -1e30f;
+      l[r] = 0.0f;
+      last[r] = first_pos + w.q_begin + t;
+    }
+  }
+  const int64_t block_elems = static_cast<int64_t>(B) * D;
+  const int kv_end = std::min(w.kv_end, first_pos + w.q_end);  // no row sees past the tile's last token
+  for (int start = w.kv_begin - w.kv_begin % B; start < kv_end; start += B) {
+    const int lo = std::max(start, w.kv_begin) - start;  // first key of the block this item covers
+    const int n = std::min(B, kv_end - start);
+    const int64_t base = (static_cast<int64_t>(block_table[start / B]) * Hkv + w.kv_head) * block_elems;
+    load_row<T>(kt, k_cache + base, B * D);
+    load_row<T>(vf + lo * D, v_cache + base + lo * D, (n - lo) * D);
+    block_scores<B>(qf, kt, p, R4, D);
+    for (int r = 0; r < R4; ++r) {
+      float* pr = p + r * B;
+      const int hi = r < R ? std::min(n, last[r] - start + 1) : lo;  // keys [lo, hi) are visible to row r
+      if (hi <= lo) {  // nothing visible (a later query's keys, or a padding row)
+        std::fill(pr, pr + B, 0.0f);
+        corr[r] = 1.0f;
+        continue;
+      }
+      for (int j = 0; j < lo; ++j) pr[j] = -1e30f;
+      for (int j = hi; j < B; ++j) pr[j] = -1e30f;
+      vfloat mx = vload(pr);
+      for (int jv = 1; jv < B / VL; ++jv) mx = vmax(mx, vload(pr + jv * VL));
+      const float bm = std::max(m[r], vreduce_max(mx));
+      vfloat sum = vzero();
+      for (int jv = 0; jv < B / VL; ++jv) {
+        const vfloat e = vexp_masked(vsub(vload(pr + jv * VL), vset1(bm)));
+        vstore(pr + jv * VL, e);
+        sum = vadd(sum, e);
+      }
+      corr[r] = exp_approx(m[r] - bm);
+      m[r] = bm;
+      l[r] = l[r] * corr[r] + vreduce_add(sum);
+    }
+    block_values(p, vf, acc, corr, R4, D, B, lo, n);
+  }
+  for (int t = 0; t < tokens; ++t) {
+    for (int g = 0; g < G; ++g) {
+      const int r = t * G + g;
+      if (w.partial >= 0) {  // [G][D + 2]: unnormalized acc, max, sum
+        float* part = partial_out + (static_cast<int64_t>(w.partial) * R + r) * (D + 2);
+        std::memcpy(part, acc + r * D, D * sizeof(float));
+        part[D] = m[r];
+        part[D + 1] = l[r];
+        continue;
+      }
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[r * D + d] *= inv;
+      store_row<T>(out + (w.q_begin + t) * q_row_stride + (w.kv_head * G + g) * D, acc + r * D, D);
+    }
+  }
+}
+
+template <typename T, int B>
+void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale) {
+  const int num_seqs = seq_lens.size(0);
+  const AttnShape shape{static_cast<int>(query.size(1)), static_cast<int>(k_cache.size(1)),
+                        static_cast<int>(query.size(2)), static_cast<float>(scale)};
+  const int G = shape.num_heads / shape.num_kv_heads, D = shape.head_dim;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int threads = at::get_num_threads();
+
+  int64_t base_items = 0;
+  for (int s = 0; s < num_seqs; ++s)
+    base_items += static_cast<int64_t>((qsl[s + 1] - qsl[s] + kQueryTile - 1) / kQueryTile) * shape.num_kv_heads;
+  std::vector<WorkItem> items;
+  std::vector<std::array<int, 4>> merges;  // (first partial slot, parts, seq, kv_head)
+  int num_partials = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = qsl[s + 1] - qsl[s], ctx = lens[s];
+    if (q_len == 0) continue;
+    int parts = 1;
+    if (q_len == 1 && base_items < 4 * threads && ctx >= 2 * kSplitTokens)
+      parts = std::min<int>(ctx / kSplitTokens, 4 * threads);
+    for (int h = 0; h < shape.num_kv_heads; ++h) {
+      if (parts > 1) {
+        const int per = (ctx + parts - 1) / parts;
+        merges.push_back({num_partials, parts, s, h});
+        for (int i = 0; i < parts; ++i)
+          items.push_back({s, h, 0, 1, i * per, std::min(ctx, (i + 1) * per), num_partials++});
+        continue;
+      }
+      for (int b = 0; b < q_len; b += kQueryTile)
+        items.push_back({s, h, b, std::min(q_len, b + kQueryTile), 0, ctx, -1});
+    }
+  }
+  // Longest items first, handed out dynamically: a long prefill tile must not be the last one started.
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+    return static_cast<int64_t>(a.q_end - a.q_begin) * (a.kv_end - a.kv_begin) >
+           static_cast<int64_t>(b.q_end - b.q_begin) * (b.kv_end - b.kv_begin);
+  });
+  std::vector<float> partials(static_cast<size_t>(num_partials) * G * (D + 2));
+  const auto* q = raw_ptr<T>(query);
+  auto* o = raw_ptr<T>(out);
+  const auto* kc = raw_ptr<T>(k_cache);
+  const auto* vc = raw_ptr<T>(v_cache);
+  const int n_items = static_cast<int>(items.size());
+  const int64_t row = static_cast<int64_t>(shape.num_heads) * D;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n_items > 1)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n_items; ++i) {
+      const WorkItem& w = items[i];
+      attention_item<T, B>(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, kc, vc, tables + w.seq * table_stride,
+                           lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], shape, partials.data(), scratch);
+    }
+  }
+  // Merge the parts of each split (sequence, head): rescale each part to the common max.
+  std::vector<float> acc(D);
+  for (const auto& [first, parts, s, h] : merges) {
+    for (int g = 0; g < G; ++g) {
+      float mx = -1e30f;
+      for (int i = 0; i < parts; ++i) mx = std::max(mx, partials[((first + i) * G + g) * (D + 2) + D]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float total = 0.0f;
+      for (int i = 0; i < parts; ++i) {
+        const float* part = partials.data() + ((first + i) * G + g) * (D + 2);
+        const float weight = std::exp(part[D] - mx);
+        total += part[D + 1] * weight;
+        for (int d = 0; d < D; ++d) acc[d] += part[d] * weight;
+      }
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int d = 0; d < D; ++d) acc[d] *= inv;
+      store_row<T>(o + qsl[s] * row + (h * G + g) * D, acc.data(), D);
+    }
+  }
+}
+
+void check_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes(),
+              "query and out: contiguous [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches: contiguous 4-d tensors");
+  const int64_t n = k_cache.size(0), h = k_cache.size(1), d = k_cache.size(2), b = k_cache.size(3);
+  TORCH_CHECK(v_cache.size(0) == n && v_cache.size(1) == h && v_cache.size(2) == b && v_cache.size(3) == d,
+              "k_cache [blocks, kv_heads, head_dim, block_size], v_cache [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
+                  v_cache.scalar_type() == query.scalar_type(), "query, out and caches must share a dtype");
+  TORCH_CHECK(d == query.size(2) && query.size(1) % h == 0, "head shapes differ");
+  TORCH_CHECK(d % kDimChunk == 0, "head_dim must be a multiple of ", kDimChunk);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt, "block_tables, seq_lens, query_start_loc: int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && seq_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous(), "index tensors must be contiguous");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) >= seq_lens.size(0),
+              "one seq_lens entry and one block-table row per sequence, query_start_loc has one more");
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale) {
+  check_attention_args(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
+  const int64_t block_size = k_cache.size(3);
+  TM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
+    switch (block_size) {
+      case 16: return paged_attention_impl<scalar_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+      case 32: return paged_attention_impl<scalar_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+      case 64: return paged_attention_impl<scalar_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+      case 128: return paged_attention_impl<scalar_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+      default: TORCH_CHECK(false, "paged_attention: block size must be 16, 32, 64 or 128, got ", block_size);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// RoPE (rotate-half layout) applied to q and k straight from the fused qkv projection, with the optional
+// per-head RMSNorm of q and k (Qwen3) before it; writes q to q_out and k, v into their KV-cache slots, in the
+// layout paged_attention reads.
+// cos and sin: float32 [max_positions, head_dim] (both halves repeated). A slot < 0 is not written.
+// ---------------------------------------------------------------------------------------------------------
+template <typename T>
+void rope_row(float* x, const float* cos, const float* sin, int D) {
+  const int half = D / 2;
+  for (int i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+template <typename T>
+void head_rms_norm(float* x, const at::Tensor& w, int D, double eps) {
+  if (!w.defined()) return;
+  float ss = 0.0f;
+  for (int d = 0; d < D; ++d) ss += x[d] * x[d];
+  const float r = 1.0f / std::sqrt(ss / D + static_cast<float>(eps));
+  const auto* wr = raw_ptr<T>(w);
+  for (int d = 0; d < D; ++d) x[d] = round_to<T>(Elem<T>::load(wr[d]) * round_to<T>(x[d] * r));
+}
+
+template <typename T>
+void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, at::Tensor& q_out, const at::Tensor& q_norm,
+                         const at::Tensor& k_norm, double eps) {
+  const int64_t T_ = qkv.size(0);
+  const int Hq = q_out.size(1), D = q_out.size(2), Hkv = k_cache.size(1);
+  const int64_t B = k_cache.size(3);
+  const int64_t row_stride = qkv.stride(0);
+  const auto* src = raw_ptr<T>(qkv);
+  auto* qo = raw_ptr<T>(q_out);
+  auto* kc = raw_ptr<T>(k_cache);
+  auto* vc = raw_ptr<T>(v_cache);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const auto* row = src + t * row_stride;
+      const float* c = cs + pos[t] * D;
+      const float* s = sn + pos[t] * D;
+      for (int h = 0; h < Hq; ++h) {
+        load_row<T>(x.data(), row + h * D, D);
+        head_rms_norm<T>(x.data(), q_norm, D, eps);
+        rope_row<T>(x.data(), c, s, D);
+        store_row<T>(qo + (t * Hq + h) * D, x.data(), D);
+      }
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t block = slot / B, offset = slot % B;
+      for (int h = 0; h < Hkv; ++h) {
+        load_row<T>(x.data(), row + (Hq + h) * D, D);
+        head_rms_norm<T>(x.data(), k_norm, D, eps);
+        rope_row<T>(x.data(), c, s, D);
+        auto* k_dst = kc + ((block * Hkv + h) * D) * B + offset;  // K transposed: stride B between dims
+        for (int d = 0; d < D; ++d) k_dst[d * B] = Elem<T>::store(x[d]);
+        std::memcpy(vc + ((block * Hkv + h) * B + offset) * D, row + (Hq + Hkv + h) * D,
+                    D * sizeof(typename Elem<T>::raw));
+      }
+    }
+  });
+}
+
+void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, at::Tensor q_out,
+                    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv: [tokens, (heads + 2 kv_heads) * head_dim], rows contiguous");
+  TORCH_CHECK(q_out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "outputs must be contiguous");
+  TORCH_CHECK(qkv.size(1) == (q_out.size(1) + 2 * k_cache.size(1)) * q_out.size(2), "qkv width does not match heads");
+  TORCH_CHECK(k_cache.size(2) == q_out.size(2) && v_cache.size(3) == q_out.size(2) && v_cache.size(2) == k_cache.size(3),
+              "k_cache [blocks, kv_heads, head_dim, block_size], v_cache [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong, "positions, slots: int64");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(1) == q_out.size(2),
+              "cos, sin: float32 [positions, head_dim]");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && q_out.scalar_type() == qkv.scalar_type(), "dtypes differ");
+  const at::Tensor qn = q_norm.has_value() ? q_norm->contiguous() : at::Tensor();
+  const at::Tensor kn = k_norm.has_value() ? k_norm->contiguous() : at::Tensor();
+  TM_DISPATCH(qkv.scalar_type(), "rope_and_cache", [&] {
+    rope_and_cache_impl<scalar_t>(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, qn, kn, eps);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// RMSNorm as the reference computes it: float32 statistics, the normalized value rounded to the storage type,
+// then scaled by the weight. The fused form first adds x into the residual stream (rounded, as a bf16 add is)
+// and normalizes that: residual <- x + residual; x <- rms_norm(residual).
+// ---------------------------------------------------------------------------------------------------------
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
+                   at::Tensor* residual) {
+  const int64_t rows = x.size(0);
+  const int H = x.size(1);
+  const auto* w = raw_ptr<T>(weight);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(H);
+    for (int64_t r = begin; r < end; ++r) {
+      auto* xr = raw_ptr<T>(x) + r * x.stride(0);
+      load_row<T>(buf.data(), xr, H);
+      if (residual != nullptr) {
+        auto* rr = raw_ptr<T>(*residual) + r * residual->stride(0);
+#pragma omp simd
+        for (int i = 0; i < H; ++i) buf[i] = round_to<T>(buf[i] + Elem<T>::load(rr[i]));
+        store_row<T>(rr, buf.data(), H);
+      }
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int i = 0; i < H; ++i) ss += buf[i] * buf[i];
+      const float inv = 1.0f / std::sqrt(ss / H + static_cast<float>(eps));
+      auto* o = raw_ptr<T>(out) + r * out.stride(0);
+#pragma omp simd
+      for (int i = 0; i < H; ++i) o[i] = Elem<T>::store(Elem<T>::load(w[i]) * round_to<T>(buf[i] * inv));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": [rows, hidden] with contiguous rows");
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes() && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: shapes or dtypes differ");
+  TM_DISPATCH(x.scalar_type(), "rms_norm", [&] { rms_norm_impl<scalar_t>(out, x, weight, eps, nullptr); });
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type() && residual.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: shapes or dtypes differ");
+  TM_DISPATCH(x.scalar_type(), "fused_add_rms_norm", [&] { rms_norm_impl<scalar_t>(x, x, weight, eps, &residual); });
+}
+
+// silu(gate) * up, where x = [gate | up] along the last dimension; silu rounded to the storage type first.
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0);
+  const int I = out.size(1);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(I), u(I);
+    for (int64_t r = begin; r < end; ++r) {
+      const auto* xr = raw_ptr<T>(x) + r * x.stride(0);
+      load_row<T>(g.data(), xr, I);
+      load_row<T>(u.data(), xr + I, I);
+      int i = 0;
+      for (; i + VL <= I; i += VL) {
+        const vfloat x = vload(g.data() + i);
+        const vfloat e = vexp(vmin(vsub(vzero(), x), vset1(88.0f)));
+        vstore(g.data() + i, vdiv(x, vadd(vset1(1.0f), e)));
+      }
+      for (; i < I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i]));
+#pragma omp simd
+      for (int k = 0; k < I; ++k) g[k] = round_to<T>(g[k]) * u[k];
+      store_row<T>(raw_ptr<T>(out) + r * out.stride(0), g.data(), I);
+    }
+  });
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0) && x.scalar_type() == out.scalar_type(),
+              "silu_and_mul: out is [rows, n], x is [rows, 2n]");
+  TM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] { silu_and_mul_impl<scalar_t>(out, x); });
+}
+
+// Greedy sampling: the first index of each row's maximum (torch.argmax's tie rule).
+at::Tensor argmax(const at::Tensor& logits) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "argmax: float32 logits");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  auto result = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* res = result.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = logits.data_ptr<float>() + r * logits.stride(0);
+      float best = row[0];
+      int64_t best_i = 0;
+      for (int64_t i = 1; i < V; ++i) {
+        if (row[i] > best) {
+          best = row[i];
+          best_i = i;
+        }
+      }
+      res[r] = best_i;
+    }
+  });
+  return result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(TM_NAMESPACE, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  m.def("rope_and_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor(c!) q_out, Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax(Tensor logits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(TM_NAMESPACE, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("rope_and_cache", &rope_and_cache);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax", &argmax);
+}
