@@ -1,4 +1,6 @@
-"""Every supported architecture, as a tiny random HF checkpoint: tokenmill's greedy ids equal HF's."""
+"""Every supported architecture, as a tiny random HF checkpoint: tokenmill's greedy ids equal HF's, on each
+attention path: the pure-torch reference, the CPU kernels layer by layer, and the CPU kernels' fused decoder
+stack (llama_forward)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,8 @@ import torch
 
 from conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import runnable_isas
+from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.registry import MODEL_REGISTRY
 
 PROMPTS = ["The capital of France is",
@@ -28,7 +32,7 @@ def tokenizer_dir(tokenizer, tmp_path_factory):
 
 def _tiny_config(arch: str, vocab_size: int, **kw):
     import transformers
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256, rms_norm_eps=1e-5,
                   initializer_range=0.1)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
@@ -62,12 +66,18 @@ CASES = {
     "llama-attention-bias": ("llama", {"attention_bias": True}),
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": True}),
-    "qwen3-qk-norm-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": False}),
+    "qwen3-qk-norm-head-dim": ("qwen3", {"head_dim": 64, "tie_word_embeddings": False}),
 }
 
 
+PATHS = ["torch_sdpa", "cpu-layers", "cpu-fused"]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_tiny_model_greedy_matches_hf(case, tokenizer_dir, tokenizer, tmp_path):
+def test_tiny_model_greedy_matches_hf(case, path, tokenizer_dir, tokenizer, tmp_path, monkeypatch):
+    if path != "torch_sdpa" and not runnable_isas():
+        pytest.skip("no CPU kernel build runs here")
     arch, kw = CASES[case]
     model = _build(arch, str(tmp_path), tokenizer_dir, tokenizer, **kw)
     tok = tokenizer
@@ -75,7 +85,7 @@ def test_tiny_model_greedy_matches_hf(case, tokenizer_dir, tokenizer, tmp_path):
         assert model.model.layers[0].self_attn.q_proj.bias is not None
         assert model.model.layers[0].self_attn.o_proj.bias is None
     if case == "qwen3-qk-norm-head-dim":
-        assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 32 != model.config.hidden_size
+        assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 64 != model.config.hidden_size
     if "tie_word_embeddings" in kw:
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         assert tied == kw["tie_word_embeddings"]
@@ -83,8 +93,14 @@ def test_tiny_model_greedy_matches_hf(case, tokenizer_dir, tokenizer, tmp_path):
     prompts = [tok.encode(p) for p in PROMPTS]
     want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
     # a token budget smaller than the longest prompt: chunked prefill on every architecture
-    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=8)
+    if path == "cpu-layers":  # the kernels one op at a time, as where the weights are not prepacked
+        use = LlamaForCausalLM.use_cpu_kernels
+        monkeypatch.setattr(LlamaForCausalLM, "use_cpu_kernels",
+                            lambda self, ops: (use(self, ops), setattr(self, "fused_ops", None)))
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=8,
+              attention_backend=path.split("-")[0])
     assert llm.engine.model_info.architecture == model.config.architectures[0]
+    assert (llm.engine.runner.model.fused_ops is not None) == (path == "cpu-fused")
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]

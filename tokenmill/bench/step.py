@@ -196,9 +196,13 @@ def _categories(e) -> tuple[str, ...]:
         return bool(getattr(x, "is_user_annotation", False)) or x.name.startswith(REGION)
     if annotation(e):
         return ()
+    if e.name.endswith("::llama_forward"):  # the fused decoder stack: its kernels and linears count, not it
+        return ()
     regions, nested, p = [], False, e.cpu_parent
     while p is not None:
-        if not annotation(p):
+        if p.name.endswith("::llama_forward"):
+            pass
+        elif not annotation(p):
             nested = nested or f"{REGION}model" not in regions
         elif p.name.startswith(REGION):
             regions.append(p.name)

@@ -126,6 +126,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if tensor is None else tensor
+
+
 class LlamaForCausalLM(nn.Module):
     # HF checkpoint names of the projections we fuse: name → (fused name, shard index)
     FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -143,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
         self.tied_lm_head_packed = None
+        self.fused_ops, self.fused_weights = None, None  # set by use_cpu_kernels
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
@@ -155,14 +160,35 @@ class LlamaForCausalLM(nn.Module):
             self.tied_lm_head_packed = pack_weight(self.embed_tokens.weight)
 
     def use_cpu_kernels(self, ops) -> None:
-        """Norms and the MLP activation on tokenmill's CPU kernels (None: back to torch ops)."""
+        """Norms and the MLP activation on tokenmill's CPU kernels (None: back to torch ops). Where every linear
+        weight is prepacked for oneDNN, the whole decoder stack runs as one kernel call (llama_forward)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.ops = ops
+        self.fused_ops, self.fused_weights = None, None
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if ops is None or not linears or any(m.packed is None for m in linears):
+            return
+        none = torch.empty(0, dtype=self.norm.weight.dtype)
+        weights = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.packed, _or(attn.qkv_proj.bias, none),
+                        _or(attn.q_norm and attn.q_norm.weight, none), _or(attn.k_norm and attn.k_norm.weight, none),
+                        attn.o_proj.packed, _or(attn.o_proj.bias, none), layer.post_attention_layernorm.weight,
+                        layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed]
+        self.fused_ops, self.fused_weights = ops, [w.detach() for w in weights]
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
         meta.rope = self.rotary
+        if self.fused_ops is not None and getattr(backend, "ops", None) is self.fused_ops:
+            attn = self.layers[0].self_attn
+            return self.fused_ops.llama_forward(
+                self.embed_tokens(input_ids), self.fused_weights, self.norm.weight, [k for k, _ in kv_caches],
+                [v for _, v in kv_caches], meta.positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, attn.num_heads, attn.head_dim,
+                self.layers[0].mlp.intermediate, self.norm.eps, attn.scale)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, kv_cache, meta, backend)
