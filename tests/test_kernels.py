@@ -197,3 +197,20 @@ def test_argmax_matches_torch_including_ties(ops):
     logits = torch.randn(33, 49152, generator=g)
     logits[5, 100] = logits[5, 200] = logits[5].max() + 1  # a tie: the first index wins, as in torch
     assert torch.equal(ops.argmax(logits), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (50, 64, True), (1000, 1536, True)])
+def test_small_m_linear(ops, dtype, rows, out_features, in_features, bias):
+    if not ops.small_m_supported(dtype):
+        pytest.skip(f"no small-M kernel for {dtype} in this build on this CPU")
+    g = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(out_features, in_features, generator=g) * 0.05).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    got = ops.small_m_linear(x, ops.pack_small_m(weight), b, out_features)
+    want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)

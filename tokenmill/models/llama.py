@@ -13,7 +13,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tokenmill.models.attention import AttentionMetadata
-from tokenmill.models.linear import Linear, linear, pack_weight
+from tokenmill.models.linear import SMALL_M_MAX_ROWS, Linear, linear, pack_small_m, pack_weight
 
 
 class RMSNorm(nn.Module):
@@ -147,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
         self.tied_lm_head_packed = None
-        self.fused_ops, self.fused_weights = None, None  # set by use_cpu_kernels
+        self.kernel_ops, self.tied_lm_head_small_m = None, None  # set by use_cpu_kernels
+        self.fused_ops, self.fused_weights = None, None
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
@@ -165,6 +166,11 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.ops = ops
+            elif isinstance(module, Linear):
+                module.use_cpu_kernels(ops)
+        self.kernel_ops, self.tied_lm_head_small_m = ops, None
+        if self.lm_head is None:
+            self.tied_lm_head_small_m = pack_small_m(ops, self.embed_tokens.weight, None)
         self.fused_ops, self.fused_weights = None, None
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if ops is None or not linears or any(m.packed is None for m in linears):
@@ -177,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
                         _or(attn.q_norm and attn.q_norm.weight, none), _or(attn.k_norm and attn.k_norm.weight, none),
                         attn.o_proj.packed, _or(attn.o_proj.bias, none), layer.post_attention_layernorm.weight,
                         layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed]
+            weights += [_or(m.small_m, none) for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
+                                                        layer.mlp.down_proj)]
         self.fused_ops, self.fused_weights = ops, [w.detach() for w in weights]
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple], meta: AttentionMetadata,
@@ -188,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
                 self.embed_tokens(input_ids), self.fused_weights, self.norm.weight, [k for k, _ in kv_caches],
                 [v for _, v in kv_caches], meta.positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, meta.query_start_loc, attn.num_heads, attn.head_dim,
-                self.layers[0].mlp.intermediate, self.norm.eps, attn.scale)
+                self.layers[0].mlp.intermediate, self.norm.eps, attn.scale, SMALL_M_MAX_ROWS)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, kv_cache, meta, backend)
@@ -197,6 +205,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if self.tied_lm_head_small_m is not None and hidden.shape[0] <= SMALL_M_MAX_ROWS:
+            return self.kernel_ops.small_m_linear(hidden, self.tied_lm_head_small_m, None,
+                                                  self.config.vocab_size).float()
         return linear(hidden, self.embed_tokens.weight, packed=self.tied_lm_head_packed).float()
 
     def load_weights(self, weights) -> set[str]:

@@ -669,14 +669,129 @@ at::Tensor argmax(const at::Tensor& logits) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Linear layers for a few rows (decode batches): y = x W^T (+ b), reading each weight byte once per call.
+// oneDNN reaches ~20 GB/s on these shapes; the weight stream is the whole cost, so the layout is made for it:
+// W is packed as [N / VL][K][VL] (float32) or, for bf16 with AVX512-BF16, [N / 16][K / 2][16 x (2 bf16)], so
+// one vector load feeds VL (or 16) outputs and every row of x reuses it from a register; no horizontal sums.
+// pack_small_m packs; small_m_linear multiplies. Rows are processed 8 at a time (8 accumulators in registers).
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kSmallMRows = 8;
+
+#if defined(__AVX512F__)
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void small_m_bf16_block(
+    const uint16_t* x, int64_t x_stride, int rows, const uint32_t* w, int64_t k2, const float* bias,
+    uint16_t* y, int64_t y_stride) {
+  __m512 acc[kSmallMRows];
+  for (int m = 0; m < kSmallMRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k2; ++k) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k * 16);
+#pragma GCC unroll 8
+    for (int m = 0; m < kSmallMRows; ++m) {
+      if (m < rows) {
+        const int32_t pair = reinterpret_cast<const int32_t*>(x + m * x_stride)[k];
+        acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int m = 0; m < rows; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_stride), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b)));
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
+void small_m_f32_block(const float* x, int64_t x_stride, int rows, const float* w, int64_t K, const float* bias,
+                       float* y, int64_t y_stride) {
+  vfloat acc[kSmallMRows];
+  for (int m = 0; m < kSmallMRows; ++m) acc[m] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const vfloat wv = vload(w + k * VL);
+#pragma GCC unroll 8
+    for (int m = 0; m < kSmallMRows; ++m)
+      if (m < rows) acc[m] = vfma(vset1(x[m * x_stride + k]), wv, acc[m]);
+  }
+  const vfloat b = bias ? vload(bias) : vzero();
+  for (int m = 0; m < rows; ++m) vstore(y + m * y_stride, vadd(acc[m], b));
+}
+
+// The lanes of one packed block: VL floats, or 16 bf16 outputs on the AVX512-BF16 path.
+int64_t small_m_lanes(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : VL; }
+
+bool small_m_supported(at::ScalarType dtype) {
+#if defined(__AVX512F__)
+  if (dtype == at::kBFloat16) return cpu_has_avx512_bf16();
+#endif
+  return dtype == at::kFloat;
+}
+
+// weight [N, K] -> packed blocks (N padded to the lanes with zero rows); bf16: pairs along K as one int32.
+at::Tensor pack_small_m(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_small_m: a [N, K] weight");
+  TORCH_CHECK(small_m_supported(weight.scalar_type()), "pack_small_m: no small-M kernel for ", weight.scalar_type(),
+              " on this CPU");
+  const int64_t N = weight.size(0), K = weight.size(1), lanes = small_m_lanes(weight.scalar_type());
+  const int64_t Np = (N + lanes - 1) / lanes * lanes;
+  at::Tensor w = at::zeros({Np, K}, weight.options());
+  w.narrow(0, 0, N).copy_(weight);
+  if (weight.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(K % 2 == 0, "pack_small_m: bf16 needs an even K");
+    return w.view({Np / lanes, lanes, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  return w.view({Np / lanes, lanes, K}).permute({0, 2, 1}).contiguous();
+}
+
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                          int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == packed.scalar_type(),
+              "small_m_linear: x [rows, K] with contiguous rows, the weight's dtype");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t rows = x.size(0), K = x.size(1), lanes = small_m_lanes(x.scalar_type());
+  const int64_t blocks = packed.size(0), Np = blocks * lanes;
+  TORCH_CHECK(packed.numel() == Np * K && out_features <= Np, "small_m_linear: weight packed for another shape");
+  at::Tensor b;
+  if (bias.has_value() && bias->numel() > 0) {
+    b = at::zeros({Np}, x.options().dtype(at::kFloat));
+    b.narrow(0, 0, out_features).copy_(*bias);
+  }
+  at::Tensor y = at::empty({rows, Np}, x.options());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t m0 = 0; m0 < rows; m0 += kSmallMRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kSmallMRows, rows - m0));
+        const float* bias_block = bp ? bp + nb * lanes : nullptr;
+        if (bf16) {
+#if defined(__AVX512F__)
+          small_m_bf16_block(reinterpret_cast<const uint16_t*>(x.data_ptr()) + m0 * x.stride(0), x.stride(0), r,
+                             reinterpret_cast<const uint32_t*>(packed.data_ptr()) + nb * (K / 2) * 16, K / 2,
+                             bias_block, reinterpret_cast<uint16_t*>(y.data_ptr()) + m0 * Np + nb * lanes, Np);
+#endif
+        } else {
+          small_m_f32_block(x.data_ptr<float>() + m0 * x.stride(0), x.stride(0), r,
+                            packed.data_ptr<float>() + nb * K * lanes, K, bias_block,
+                            y.data_ptr<float>() + m0 * Np + nb * lanes, Np);
+        }
+      }
+    }
+  });
+  return Np == out_features ? y : y.narrow(1, 0, out_features);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // The Llama-family decoder stack in one call: on a 135M model a decode step is ~300 small ops, and calling
 // them one by one from Python cost 15% of the step. Same kernels, same order as LlamaForCausalLM.forward (the
 // Python loop stays the reference); the linear layers are oneDNN's, on the prepacked weights. Each kernel call
 // is a profiler range under its op's name, so `tokenmill bench step` still sees where the time goes.
-// layer_weights: per layer [input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, down_w];
-// an empty tensor stands for a bias or norm the model does not have.
+// layer_weights: per layer [input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, down_w,
+// then the small-M layouts of qkv_w, o_w, gate_up_w, down_w]; an empty tensor stands for a bias or norm the
+// model does not have, or a small-M layout this CPU has no kernel for. Batches of up to small_m_max_rows tokens
+// use the small-M kernel.
 // ---------------------------------------------------------------------------------------------------------
-constexpr int kWeightsPerLayer = 10;
+constexpr int kWeightsPerLayer = 14;
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
   static auto op = c10::Dispatcher::singleton()
@@ -693,12 +808,18 @@ std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& small_m,
+                        const at::Tensor& bias, int64_t out_features, int64_t small_m_max_rows) {
+  if (small_m.numel() > 0 && x.size(0) <= small_m_max_rows) return small_m_linear(x, small_m, present(bias), out_features);
+  return onednn_linear(x, packed, bias);
+}
+
 at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weights, const at::Tensor& final_norm,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t num_heads, int64_t head_dim,
-                         int64_t intermediate, double eps, double scale) {
+                         int64_t intermediate, double eps, double scale, int64_t small_m_max_rows) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == layers * kWeightsPerLayer &&
                   static_cast<int64_t>(v_caches.size()) == layers, "llama_forward: weights or caches missing");
@@ -717,7 +838,8 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
       else
         fused_add_rms_norm(h, residual, w[0], eps);
     }
-    at::Tensor qkv = onednn_linear(h, w[1], w[2]);
+    const int64_t kv_heads = k_caches[l].size(1), hidden = embeddings.size(1);
+    at::Tensor qkv = layer_linear(h, w[1], w[10], w[2], (num_heads + 2 * kv_heads) * head_dim, small_m_max_rows);
     {
       RECORD_FUNCTION("tokenmill::rope_and_cache", std::vector<c10::IValue>());
       rope_and_cache(qkv, positions, cos, sin, k_caches[l], v_caches[l], slot_mapping, q, present(w[3]),
@@ -727,17 +849,17 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
       RECORD_FUNCTION("tokenmill::paged_attention", std::vector<c10::IValue>());
       paged_attention(attn, q, k_caches[l], v_caches[l], block_tables, seq_lens, query_start_loc, scale);
     }
-    at::Tensor o = onednn_linear(attn.view({tokens, num_heads * head_dim}), w[5], w[6]);
+    at::Tensor o = layer_linear(attn.view({tokens, num_heads * head_dim}), w[5], w[11], w[6], hidden, small_m_max_rows);
     {
       RECORD_FUNCTION("tokenmill::fused_add_rms_norm", std::vector<c10::IValue>());
       fused_add_rms_norm(o, residual, w[7], eps);
     }
-    at::Tensor gate_up = onednn_linear(o, w[8], at::Tensor());
+    at::Tensor gate_up = layer_linear(o, w[8], w[12], at::Tensor(), 2 * intermediate, small_m_max_rows);
     {
       RECORD_FUNCTION("tokenmill::silu_and_mul", std::vector<c10::IValue>());
       silu_and_mul(act, gate_up);
     }
-    h = onednn_linear(act, w[9], at::Tensor());
+    h = layer_linear(act, w[9], w[13], at::Tensor(), hidden, small_m_max_rows);
   }
   RECORD_FUNCTION("tokenmill::fused_add_rms_norm", std::vector<c10::IValue>());
   fused_add_rms_norm(h, residual, final_norm, eps);
@@ -755,10 +877,13 @@ TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax(Tensor logits) -> Tensor");
+  m.def("small_m_supported(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return small_m_supported(dtype); });
+  m.def("pack_small_m(Tensor weight) -> Tensor");
+  m.def("small_m_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("llama_forward(Tensor embeddings, Tensor[] layer_weights, Tensor final_norm, Tensor[] k_caches, "
         "Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int num_heads, int head_dim, int intermediate, float eps, "
-        "float scale) -> Tensor");
+        "float scale, int small_m_max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TM_NAMESPACE, CPU, m) {
@@ -768,6 +893,8 @@ TORCH_LIBRARY_IMPL(TM_NAMESPACE, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax", &argmax);
+  m.impl("pack_small_m", &pack_small_m);
+  m.impl("small_m_linear", &small_m_linear);
   m.impl("llama_forward", &llama_forward);
 }
 
