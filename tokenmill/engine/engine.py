@@ -88,6 +88,13 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, priori
     return max_tokens
 
 
+def default_max_num_batched_tokens(device) -> int:
+    """Measured with bench serve on 2 CPU cores (SmolLM2 bf16, ISL 256 / OSL 128, c=32): a 2048-token budget
+    stalled running decodes for 1.3 s per prefill step (ITL p99 1309 ms), 1024 for 0.7 s, 512 for 0.38 s, with
+    the same output tok/s (283, 295, 289) and TTFT p50 2.7 s, 1.7 s, 1.1 s."""
+    return 512 if device.type == "cpu" else 2048
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -96,7 +103,8 @@ class EngineCore:
         self.max_model_len = config.max_model_len or model_len
         self.runner = ModelRunner(config, self.model_info, self.max_model_len)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
+        budget = config.max_num_batched_tokens or default_max_num_batched_tokens(self.runner.device)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, budget,
                                    self.max_model_len, config.scheduling_policy)
         self.num_steps = 0
         self.last_step_tokens = 0
