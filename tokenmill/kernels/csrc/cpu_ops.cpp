@@ -810,7 +810,10 @@ std::optional<at::Tensor> present(const at::Tensor& t) {
 
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& small_m,
                         const at::Tensor& bias, int64_t out_features, int64_t small_m_max_rows) {
-  if (small_m.numel() > 0 && x.size(0) <= small_m_max_rows) return small_m_linear(x, small_m, present(bias), out_features);
+  if (small_m.numel() > 0 && x.size(0) <= small_m_max_rows) {
+    RECORD_FUNCTION("tokenmill::small_m_linear", std::vector<c10::IValue>());
+    return small_m_linear(x, small_m, present(bias), out_features);
+  }
   return onednn_linear(x, packed, bias);
 }
 
