@@ -361,3 +361,21 @@ def test_logprobs_are_raw_and_ranked():
         assert top_ids == raw[i].topk(k).indices.tolist() if k else top_ids == []
         assert top_lps == sorted(top_lps, reverse=True) and len(top_lps) == k
         np.testing.assert_allclose(top_lps, raw[i, top_ids].numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 30.0])  # flat (nucleus beyond the candidates) to peaked
+def test_top_k_top_p_without_full_sort_equals_full_sort(spread):
+    """The candidate path (top-k of each row) and its fallback give exactly the full sort's mask, for rows with
+    top-k, top-p, both and neither in one batch, over a vocabulary larger than the candidates."""
+    g = torch.Generator().manual_seed(int(spread * 10))
+    vocab = 5000
+    logits = torch.randn(8, vocab, generator=g) * spread
+    top_k = [0, 0, 50, 3000, 0, 7, 0, 1]
+    top_p = [0.9, 0.5, 1.0, 0.95, 1.0, 0.3, 0.999, 0.8]
+    got = Sampler._top_k_top_p(logits, top_k, top_p)
+    want = Sampler._top_k_top_p_sorted(logits, top_k, top_p)
+    # A row with neither is left whole (the full sort's float32 cumsum can reach 1.0 early and cut its tail).
+    assert torch.equal(got[4], logits[4])
+    rows = [i for i in range(len(top_k)) if i != 4]
+    assert torch.equal(torch.isinf(got[rows]), torch.isinf(want[rows]))
+    assert torch.equal(got[rows][~torch.isinf(got[rows])], want[rows][~torch.isinf(want[rows])])

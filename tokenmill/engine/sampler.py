@@ -167,8 +167,45 @@ class Sampler:
             sampled = torch.where(torch.tensor(greedy, device=dev), self._argmax(logits), sampled)
         return sampled
 
+    # Rows with top-p but no top-k look for their nucleus among this many best tokens first.
+    TOP_P_CANDIDATES = 1024
+
+    @classmethod
+    def _top_k_top_p(cls, logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        """Masks (with -inf) the tokens outside each row's top-k, then outside its top-p nucleus. Without a
+        full-vocabulary sort: the candidates are the K best tokens of each row (K: the largest top-k, or
+        TOP_P_CANDIDATES), which is exact when a row's nucleus lies inside them; a row whose nucleus does not
+        (a flat distribution) is sorted in full. Same result as the full sort (_top_k_top_p_sorted)."""
+        dev, vocab = logits.device, logits.shape[1]
+        ks = [min(t, vocab) if t > 0 else vocab for t in top_k]
+        num = min(vocab, max(k if k < vocab else cls.TOP_P_CANDIDATES for k in ks))
+        if num >= vocab:
+            return cls._top_k_top_p_sorted(logits, top_k, top_p)
+        values, order = logits.topk(num, dim=-1)
+        k = torch.tensor(ks, device=dev)[:, None]
+        values = values.masked_fill(torch.arange(num, device=dev)[None, :] >= k, float("-inf"))
+        # A row with top-k keeps nothing outside its candidates: normalize over them. A row without top-k
+        # normalizes over the whole vocabulary.
+        full_row = k >= vocab
+        log_norm = torch.where(full_row, logits.logsumexp(-1, keepdim=True), values.logsumexp(-1, keepdim=True))
+        probs = (values - log_norm).exp()
+        cumulative = probs.cumsum(dim=-1)
+        p = torch.tensor(top_p, device=dev)[:, None]
+        values = values.masked_fill(cumulative - probs >= p, float("-inf"))
+        out = torch.full_like(logits, float("-inf")).scatter(1, order, values)
+        untouched = (full_row & (p >= 1.0)).squeeze(1)  # neither top-k nor top-p: nothing is masked
+        if untouched.any():
+            out[untouched] = logits[untouched]
+        # The nucleus is inside the candidates once their mass reaches top_p.
+        uncovered = (full_row & (p < 1.0) & (cumulative[:, -1:] < p)).squeeze(1)
+        if uncovered.any():
+            rows = uncovered.nonzero().squeeze(1)
+            out[rows] = cls._top_k_top_p_sorted(logits[rows], [top_k[i] for i in rows.tolist()],
+                                                 [top_p[i] for i in rows.tolist()])
+        return out
+
     @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    def _top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         dev = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
