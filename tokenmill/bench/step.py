@@ -130,7 +130,7 @@ class StepProfiler:
     def start(self) -> None:
         a = self.args
         if a.mode == "decode":  # enough tokens that nobody finishes during ramp, warm-up and both passes
-            ramp = math.ceil(a.batch_size * a.input_len / self.engine.config.max_num_batched_tokens) + 1
+            ramp = math.ceil(a.batch_size * a.input_len / self.engine.scheduler.max_num_batched_tokens) + 1
             need = max(a.output_len, ramp + WARMUP_STEPS + 2 * a.num_steps + 1)
             self.ramp = {self.add(min(need, self.engine.max_model_len - a.input_len)) for _ in range(a.batch_size)}
         elif a.mode == "mixed":  # staggered lengths: requests finish, and new ones arrive, every few steps
