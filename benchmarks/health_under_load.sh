@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 $PY/tokenmill serve --dtype bfloat16 --max-model-len 2048 --port 8030 --disable-log-stats > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
-until curl -sf http://127.0.0.1:8030/health > /dev/null; do sleep 1; done
+until curl -sf http://127.0.0.1:8030/health/ready > /dev/null; do sleep 1; done
 $PY/tokenmill bench serve --base-url http://127.0.0.1:8030 --dataset random --input-len 256 --output-len 128 \
   --concurrency 64 --requests-per-stream 1 --warmup 0 --ignore-eos --seed 64 --output-dir "$OUT/load" > "$OUT/load.txt" 2>&1 &
 LOAD=$!
