@@ -16,22 +16,24 @@ import functools
 import itertools
 import json
 import math
-import platform
 import time
 from collections import Counter, defaultdict
 
 import msgspec
 import torch
 
+from tokenmill.bench.serve import hardware
 from tokenmill.bench.throughput import random_prompts
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import EngineCoreOutputs, EngineMessage
+from tokenmill.kernels import cpu_flags
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.detokenizer import IncrementalDetokenizer
 
 WARMUP_STEPS = 2
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-LINEAR = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm"}
+LINEAR = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm",
+          "tokenmill::small_m_linear"}
 ATTENTION = {"aten::scaled_dot_product_attention", "aten::index_select", "aten::index_copy_",
              "tokenmill::paged_attention", "tokenmill::rope_and_cache"}
 VIEWS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::split",
@@ -60,14 +62,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def machine_info() -> dict:
     """The CPU and the flags (lscpu's, which come from /proc/cpuinfo) that decide which kernels can run."""
-    fields: dict[str, str] = {}
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    return {"cpu": fields.get("model name") or platform.processor() or "unknown",
-            "flags": {f: f in flags for f in CPU_FLAGS}, "torch_threads": torch.get_num_threads()}
+    flags = cpu_flags()
+    return {"cpu": hardware()["cpu"], "flags": {f: f in flags for f in CPU_FLAGS},
+            "torch_threads": torch.get_num_threads()}
 
 
 class _Delegate:
@@ -213,10 +210,9 @@ def _categories(e) -> tuple[str, ...]:
         return ("argmax",) if name == "tokenmill::argmax" and f"{REGION}sampler" not in regions else ()
     if nested or name in VIEWS:
         return ()
-    if name in ATTENTION or name.startswith("aten::_scaled_dot_product") or name.startswith("tokenmill::") \
-            and any(w in name for w in ("attention", "cache")):
+    if name in ATTENTION or name.startswith("aten::_scaled_dot_product"):
         return "attention", "op:" + e.name
-    if name in LINEAR or name.startswith("tokenmill::") and any(w in name for w in ("linear", "gemm")):
+    if name in LINEAR:
         return "linear layers", "op:" + e.name
     return "norms/RoPE/activations", "op:" + e.name
 

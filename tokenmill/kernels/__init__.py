@@ -68,8 +68,3 @@ def cpu_ops():
         return None
     logger.info("CPU kernels: %s", runnable[0])
     return ops
-
-
-def active_isa() -> str | None:
-    ops = cpu_ops()
-    return None if ops is None else ops.name.removeprefix("tokenmill_")

@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
         meta.rope = self.rotary
-        if self.fused_ops is not None and getattr(backend, "ops", None) is self.fused_ops:
+        if self.fused_ops is not None:  # set only when the runner chose the CPU kernels (use_cpu_kernels)
             attn = self.layers[0].self_attn
             return self.fused_ops.llama_forward(
                 self.embed_tokens(input_ids), self.fused_weights, self.norm.weight, [k for k, _ in kv_caches],

@@ -93,12 +93,8 @@ def load_model_config(model_path: str) -> ModelInfo:
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    from tokenmill.kernels import cpu_flags
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
