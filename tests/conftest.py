@@ -12,7 +12,7 @@ torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
-    from tokenmill.models.loader import default_model_path
+    from tokenmill.models.paths import default_model_path
     return default_model_path()
 
 
@@ -27,8 +27,24 @@ def hf_reference(default_gguf):
 
 @pytest.fixture(scope="session")
 def tokenizer(default_gguf):
-    from tokenmill.models.loader import load_tokenizer
+    from tokenmill.tokenizer import load_tokenizer
     return load_tokenizer(default_gguf)
+
+
+# A test that takes one of these fixtures, directly or through another fixture, is marked slow below: those that
+# start a real `tokenmill serve` process (by convention any fixture named `*_server` does too), and HF's reference
+# model (~13 s to load on 2 cores). A test that starts a server itself (RemoteServer, `tokenmill serve`,
+# `bench serve --launch`) or runs long for another reason carries @pytest.mark.slow, or its module a pytestmark.
+SERVER_FIXTURES = {"server", "lone_server", "obs_server", "tool_server"}
+SLOW_FIXTURES = SERVER_FIXTURES | {"hf_reference"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`pytest -m "not slow"` is the fast inner loop; `make test` (no -m) still runs everything."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())  # the whole closure: fixtures of fixtures too
+        if any(name in SLOW_FIXTURES or name.endswith("_server") for name in fixtures):
+            item.add_marker(pytest.mark.slow)
 
 
 def single_threaded_llm(**engine_args):

@@ -87,6 +87,7 @@ def test_sweep_request_rate_and_multiturn(server, tmp_path):
     assert level["mean_input_len"] > 16  # second turns carry the first turn and its answer
 
 
+@pytest.mark.slow  # --launch starts a server of its own
 def test_launch_starts_and_stops_a_server(tmp_path):
     port = free_port()
     result = run_bench(tmp_path, "--launch", "--base-url", f"http://127.0.0.1:{port}", "--input-len", "8",

@@ -21,6 +21,7 @@ def llm():
     yield from single_threaded_llm(kv_cache_memory="32MiB", max_model_len=256)
 
 
+@pytest.mark.slow  # loads the real model (~9 s on 2 cores) and profiles it
 @pytest.mark.parametrize("mode", ["decode", "mixed", "prefill"])
 def test_bench_step_breakdown_adds_up(llm, mode, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tokenmill, "LLM", lambda **kwargs: llm)

@@ -1,6 +1,6 @@
 """Acceptance: the default model in float32 gives HF transformers' greedy tokens, for a batch of mixed-length
 prompts in one generate call, under chunked prefill, prefix caching and preemption; bfloat16 is measured
-against the float32 reference."""
+against the float32 reference. Slow: about a minute and a half on 2 cores (HF reference generation, four engines)."""
 from __future__ import annotations
 
 
@@ -10,6 +10,8 @@ import torch
 import tokenmill.engine.runner as runner_module
 from conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
 MAX_MODEL_LEN = 512

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.detokenizer import IncrementalDetokenizer
+from tokenmill.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE = "Hello 👋 世界! Café naïve — 🤖🎉 日本語のテキスト, 한국어, Ελληνικά, and 🇫🇷 flags 👨‍👩‍👧."
 TEXTS = [MULTIBYTE, " 🙂🙃 emoji at the start, 中文在中间, and at the end 🚀",

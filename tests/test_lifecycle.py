@@ -1,5 +1,5 @@
 """Readiness while loading, backpressure and the KV-pool fit check on a server with small limits; SIGTERM draining
-on a server of its own."""
+on a server of its own. Slow: every test starts a real server."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,10 @@ import time
 import httpx
 import pytest
 
+from polling import wait_until_async
 from server_utils import API_KEY, MODEL, RemoteServer
+
+pytestmark = pytest.mark.slow
 
 QUEUE_LIMIT = 8
 NUM_BLOCKS = 200  # 3,200 tokens of KV cache, less than max_model_len
@@ -18,7 +21,8 @@ NUM_BLOCKS = 200  # 3,200 tokens of KV cache, less than max_model_len
 
 @pytest.fixture(scope="module")
 def lone_server():
-    s = RemoteServer(["--api-key", API_KEY, "--max-num-queued-reqs", str(QUEUE_LIMIT),
+    # --max-num-seqs 2: the engine runs two requests at a time, so a burst queues whatever the machine's speed
+    s = RemoteServer(["--api-key", API_KEY, "--max-num-queued-reqs", str(QUEUE_LIMIT), "--max-num-seqs", "2",
                       "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "4096",
                       "--shutdown-timeout", "60"])
     yield s
@@ -45,19 +49,22 @@ def test_request_larger_than_the_kv_pool_is_refused(lone_server):
 
 
 def test_burst_past_the_queue_limit_gets_503_with_retry_after(lone_server):
-    # ~240-token prompts: one step prefills only a few of them, so the burst piles up in the queue even when the
-    # client (sharing 2 cores with the server) sends slowly
+    # ~240-token prompts and two requests in the engine at a time: the burst piles up in the queue even when the
+    # client (sharing 2 cores with the server) sends slowly. The exact limits are tested in-process.
     prompt = "Tell me a story about a cat. " * 30
 
     async def one(client):
         start = time.monotonic()
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
-                                                       "max_tokens": 4, "ignore_eos": True})
+                                                       "max_tokens": 8, "ignore_eos": True})
         return r, time.monotonic() - start
 
     async def main():
+        # No connection limits: with max_connections=100 (and the default 20 keep-alive ones) httpx 0.28 let these
+        # requests out a few at a time, so the burst never reached the server as one.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(base_url=lone_server.url, headers=lone_server.headers(), timeout=120,
-                                     limits=httpx.Limits(max_connections=100)) as client:
+                                     limits=limits) as client:
             return await asyncio.gather(*(one(client) for _ in range(100)))
 
     results = asyncio.run(main())
@@ -99,7 +106,12 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
             for _ in range(5):
                 await first_tokens.get()
             lone_server.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
+
+            async def draining() -> bool:  # /health/ready turns 503 once the server has taken the signal
+                return (await client.get("/health/ready")).status_code == 503
+
+            await wait_until_async(draining, timeout_s=30, interval_s=0.05,
+                                   message="the server to start draining after SIGTERM (/health/ready 503)")
             after = await client.post("/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2})
             ready = await client.get("/health/ready")
             return await asyncio.gather(*streams), after, ready

@@ -70,7 +70,11 @@ CASES = {
 }
 
 
-PATHS = ["torch_sdpa", "cpu-layers", "cpu-fused"]
+# The fast loop (-m "not slow") checks every architecture on the path that serves by default (the fused CPU
+# kernels, where they run); the full run checks the other paths too. A case takes ~1-7 s on 2 cores.
+DEFAULT_PATH = "cpu-fused" if runnable_isas() else "torch_sdpa"
+PATHS = [path if path == DEFAULT_PATH else pytest.param(path, marks=pytest.mark.slow)
+         for path in ("torch_sdpa", "cpu-layers", "cpu-fused")]
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -1,5 +1,7 @@
 """Observability with real tools: OTLP spans caught by a receiver in the test, a real Prometheus server scraping
-under load, and the dashboard rendered by headless Chromium (which saves a screenshot)."""
+under load, and the dashboard rendered by headless Chromium (which saves a screenshot).
+
+Slow: every test starts a real server, and two install Debian packages (Prometheus, Chromium)."""
 from __future__ import annotations
 
 import json
@@ -9,13 +11,15 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
+from polling import wait_until
 from server_utils import MODEL, RemoteServer, free_port
+
+pytestmark = pytest.mark.slow
 
 ARTIFACTS = os.environ.get("TOKENMILL_TEST_ARTIFACTS", os.path.join(os.path.dirname(__file__), "artifacts"))
 
@@ -123,10 +127,8 @@ def test_trace_continues_the_callers_traceparent(obs_server, receiver):
                    json={"model": MODEL, "prompt": secret, "max_tokens": 5, "temperature": 0.7, "top_p": 0.9,
                          "ignore_eos": True})
     assert r.status_code == 200
-    deadline = time.monotonic() + 20
-    while not [s for s in receiver.spans if s["trace_id"] == trace_id] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    spans = [s for s in receiver.spans if s["trace_id"] == trace_id]
+    spans = wait_until(lambda: [s for s in receiver.spans if s["trace_id"] == trace_id], timeout_s=20,
+                       interval_s=0.2, message=lambda: f"a span of trace {trace_id}; spans so far: {receiver.spans}")
     assert len(spans) == 1, receiver.spans
     span = spans[0]
     assert span["parent_span_id"] == parent_id
@@ -155,16 +157,33 @@ def test_real_prometheus_scrapes_under_load(obs_server):
                                  f"--web.listen-address=127.0.0.1:{port}"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            with Load(obs_server):
-                time.sleep(25)
+            answers: dict[str, str] = {}
 
-            def query(q: str) -> list:
+            def query(q: str) -> list | None:
                 r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": q}, timeout=10)
-                assert r.status_code == 200 and r.json()["status"] == "success", r.text
+                answers[q] = r.text
+                if r.status_code != 200 or r.json()["status"] != "success":
+                    return None  # Prometheus still starting up (a bad query: the timeout message shows the answer)
                 return r.json()["data"]["result"]
 
-            rate = query("rate(vllm:generation_tokens_total[30s])")
-            p99 = query("histogram_quantile(0.99, rate(vllm:time_to_first_token_seconds_bucket[1m]))")
+            def positive(result: list | None) -> bool:
+                return bool(result) and float(result[0]["value"][1]) > 0
+
+            queries = {"rate": "rate(vllm:generation_tokens_total[30s])",
+                       "p99": "histogram_quantile(0.99, rate(vllm:time_to_first_token_seconds_bucket[1m]))"}
+            seen: dict[str, list | None] = {}
+
+            def scraped_the_load() -> bool:
+                # scraped every second: rate() needs two samples of the growing counter, the quantile first tokens
+                # inside its window
+                for key, q in queries.items():
+                    seen[key] = query(q)
+                return all(positive(result) for result in seen.values())
+
+            with Load(obs_server):
+                wait_until(scraped_the_load, timeout_s=120, interval_s=1, retry_on=(httpx.TransportError,),
+                           message=lambda: f"Prometheus to see the load; last answers: {answers}")
+            rate, p99 = seen["rate"], seen["p99"]
         finally:
             proc.terminate()
             proc.wait(30)
@@ -185,8 +204,11 @@ def test_dashboard_renders_live_charts_in_chromium(obs_server):
         os.remove(shot)
     base = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
             "--window-size=1400,800", "--virtual-time-budget=12000"]
-    with Load(obs_server):
-        time.sleep(4)
+    with Load(obs_server) as load:
+        # the page charts what the server has served: wait until every load thread has had a request completed, so
+        # that there are first-token latencies and token counts to show
+        wait_until(lambda: load.done >= len(load.threads), timeout_s=120, interval_s=0.2,
+                   message=lambda: f"the load to complete a request per thread ({load.done} done)")
         dom = subprocess.run([*base, "--dump-dom", obs_server.url_for("/dashboard")], capture_output=True,
                              text=True, timeout=120).stdout
         subprocess.run([*base, f"--screenshot={shot}", obs_server.url_for("/dashboard")], capture_output=True,
@@ -208,6 +230,11 @@ def test_dashboard_renders_live_charts_in_chromium(obs_server):
     print(f"\ndashboard screenshot: {shot} ({len(png)} bytes)")
 
 
+def is_stats_line(record: dict) -> bool:
+    message = str(record.get("message", ""))
+    return "Avg prompt throughput" in message and "Prefix cache hit rate" in message
+
+
 def test_stats_log_line_and_json_logs(tmp_path):
     """--log-format json: every line is JSON, request lines carry the request id, and the periodic stats line
     appears (its interval shortened for the test)."""
@@ -217,11 +244,30 @@ def test_stats_log_line_and_json_logs(tmp_path):
         r = httpx.post(server.url_for("/v1/completions"), headers={"X-Request-Id": "req-abc-123"}, timeout=60,
                        json={"model": MODEL, "prompt": "Hi", "max_tokens": 8, "ignore_eos": True})
         assert r.status_code == 200
-        time.sleep(2.5)
+
+        def json_records() -> list[dict]:
+            records = []
+            for line in server.log_tail(1_000_000).splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # not JSON (asserted on below), or a line still being written
+                if isinstance(record, dict):
+                    records.append(record)
+            return records
+
+        def logged_both() -> bool:
+            records = json_records()
+            return (any(is_stats_line(r) for r in records)
+                    and any(r.get("request_id") == "req-abc-123" for r in records))
+
+        # the stats line comes every second here
+        wait_until(logged_both, timeout_s=30, interval_s=0.1,
+                   message=lambda: f"the stats line and the request's line in the log:\n{server.log_tail()}")
         lines = [line for line in server.log_tail(1_000_000).splitlines() if line.strip()]
     finally:
         server.stop()
     records = [json.loads(line) for line in lines if line.startswith("{")]
     assert len(records) >= 0.9 * len(lines), lines[:5]  # a stray non-JSON line or two (warnings) at most
-    assert any("Avg prompt throughput" in r["message"] and "Prefix cache hit rate" in r["message"] for r in records)
+    assert any(is_stats_line(r) for r in records)
     assert any(r.get("request_id") == "req-abc-123" for r in records)

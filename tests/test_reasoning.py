@@ -114,6 +114,7 @@ def thinking_prompt(llm, question: str) -> str:
                                              add_generation_prompt=True) + "<think>\n"
 
 
+@pytest.mark.slow  # with the model load it needs, ~10 s on 2 cores
 def test_budget_forces_end_of_thinking_on_a_real_generation(llm):
     end_ids = llm.tokenizer.encode("</think>", add_special_tokens=False)
     prompt = thinking_prompt(llm, "What is 17 times 23? Think step by step.")
@@ -131,6 +132,7 @@ def test_budget_forces_end_of_thinking_on_a_real_generation(llm):
         assert r.outputs[0].token_ids[8:8 + len(end_ids)] == end_ids
 
 
+@pytest.mark.slow  # loads the real model too
 def test_grammar_applies_only_after_thinking(llm):
     prompt = thinking_prompt(llm, "Is the sky green? Answer yes or no.")
     choice = StructuredOutputsParams(choice=["yes", "no"])

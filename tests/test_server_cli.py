@@ -1,4 +1,5 @@
-"""`tokenmill serve` refuses to start, with a clear message and no traceback, when it cannot serve."""
+"""`tokenmill serve` refuses to start, with a clear message and no traceback, when it cannot serve.
+Slow: it starts three `tokenmill serve` processes (one loads the engine before it fails)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from server_utils import MODEL, free_port
+
+pytestmark = pytest.mark.slow
 
 
 def _serve(*args: str) -> subprocess.Popen:

@@ -24,29 +24,14 @@ def _error(r: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
+# The exhaustive tables run in-process (test_api_in_process.py); here a few of each kind go through the real
+# engine: pydantic's checks, the serving layer's and the engine's own validation.
 CHAT_CASES = [
     ({"max_tokens": 0}, "max_tokens", "at least 1"),
-    ({"max_tokens": -5}, "max_tokens", "at least 1"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
-    ({"temperature": -0.5}, "temperature", "non-negative"),
-    ({"top_p": 0}, "top_p", "(0, 1]"),
-    ({"top_p": 1.5}, "top_p", "(0, 1]"),
-    ({"n": 9}, "n", "at most 8"),
-    ({"n": 0}, "n", "at least 1"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "wizard"),
-    ({"messages": []}, "messages", "at least one message"),
-    ({"messages": "hello"}, "messages", "messages"),
-    ({"max_tokens": "many"}, "max_tokens", "max_tokens"),
     ({"temperature": "hot"}, "temperature", "temperature"),
-    ({"n": 1.5}, "n", "n"),
-    ({"stream": "maybe"}, "stream", "stream"),
-    ({"messages": [{"content": "no role"}]}, "messages", "role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
-     "text"),
+    ({"n": 9}, "n", "at most 8"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "wizard"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", "top_logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
-    ({"presence_penalty": 5}, "presence_penalty", "presence_penalty"),
-    ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias"),
     ({"priority": 3}, "priority", "priority"),
 ]
 
@@ -60,16 +45,10 @@ def test_chat_bad_request(server, override, param, fragment):
 
 
 COMPLETION_CASES = [
-    ({"max_tokens": 0}, "max_tokens", "at least 1"),
-    ({"temperature": -1}, "temperature", "non-negative"),
     ({"top_p": 2}, "top_p", "(0, 1]"),
-    ({"n": 100}, "n", "at most 8"),
-    ({"prompt": []}, "prompt", "empty"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [999999]}, "prompt", "vocabulary"),
-    ({"prompt": {"text": "x"}}, "prompt", "prompt"),
     ({"logprobs": 99}, "logprobs", "logprobs"),
-    ({"echo": "yes please"}, "echo", "echo"),
 ]
 
 
@@ -89,15 +68,9 @@ def test_missing_required_field(server):
     assert err["param"] == "messages"
 
 
-@pytest.mark.parametrize("body", ['{"model": "x", "prompt": ', "not json at all", "[1, 2"])
-def test_malformed_json(server, body):
-    err = _error(_post(server, "/v1/completions", body), 400)
+def test_malformed_json(server):
+    err = _error(_post(server, "/v1/completions", '{"model": "x", "prompt": '), 400)
     assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
-
-
-def test_body_not_an_object(server):
-    err = _error(_post(server, "/v1/chat/completions", "[1, 2]"), 400)
-    assert err["type"] == "invalid_request_error"
 
 
 def test_context_length_exceeded(server):
@@ -125,7 +98,7 @@ def test_streaming_errors_come_before_the_stream(server):
 
 def test_unknown_model(server):
     err = _error(_post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}), 404)
-    assert err["type"] == "NotFoundError" and "gpt-9" in err["message"]
+    assert err["type"] == "not_found_error" and "gpt-9" in err["message"]
     with pytest.raises(openai.NotFoundError):
         server.openai().completions.create(model="nope", prompt="x", max_tokens=1)
 
@@ -146,17 +119,14 @@ def test_api_key(server):
 
 def test_unknown_route(server):
     err = _error(httpx.get(server.url_for("/v1/nothing-here"), headers=server.headers()), 404)
-    assert err["type"] == "NotFoundError"
+    assert err["type"] == "not_found_error"
 
 
+# Values at the edges: refused with 400 (the full table is in-process), or served; either way the engine lives.
 HOSTILE = [
     ('{"model": "%s", "prompt": "Hi", "max_tokens": 2, "temperature": NaN}' % MODEL, 400, "temperature"),
-    ('{"model": "%s", "prompt": "Hi", "max_tokens": 2, "top_p": Infinity}' % MODEL, 400, "top_p"),
-    ({"top_k": 2**70}, 400, "top_k"),
     ({"seed": 2**70}, 400, "seed"),
-    ({"priority": -2**70}, 400, "priority"),
     ({"min_tokens": 2, "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
-    ({"logit_bias": {"5": 1e9}}, 400, "logit_bias"),
     ({"top_k": 10**12}, 200, None),
     ({"seed": -5}, 200, None),
     ({"temperature": 1e300}, 200, None),

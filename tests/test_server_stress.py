@@ -8,20 +8,23 @@ import time
 
 import httpx
 import pytest
+from polling import wait_until, wait_until_async
 from server_utils import MODEL, server  # noqa: F401 - the fixture
 
 LONG = {"max_tokens": 1500, "ignore_eos": True}
 
 
 def _wait_until_idle(server, timeout_s: float = 60.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = server.metrics()
-        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 \
-                and m["vllm:kv_cache_usage_perc"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"engine still busy after disconnects: {m}"
-        time.sleep(0.2)
+    last: dict[str, float] = {}
+
+    def idle() -> dict[str, float] | None:
+        last.update(server.metrics())
+        if last["vllm:num_requests_running"] == 0 and last["vllm:num_requests_waiting"] == 0 \
+                and last["vllm:kv_cache_usage_perc"] == 0:
+            return dict(last)
+        return None
+
+    return wait_until(idle, timeout_s, interval_s=0.2, message=lambda: f"an idle engine; still busy: {last}")
 
 
 def test_disconnects_abort_requests(server):
@@ -101,8 +104,14 @@ def test_engine_death_fails_requests_with_503(server):
     engine = server.engine_process()
     killed_at = []
 
+    def both_in_the_engine() -> bool:
+        m = server.metrics()
+        return m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] >= 2
+
     async def main():
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=60) as client:
+            streaming_started = asyncio.Event()
+
             async def streaming():
                 events = []
                 async with client.stream("POST", "/v1/completions", json={
@@ -111,16 +120,24 @@ def test_engine_death_fails_requests_with_503(server):
                         if line.startswith("data: "):
                             events.append(line[6:])
                             if len(events) == 2:
-                                engine.send_signal(signal.SIGKILL)
-                                killed_at.append(time.monotonic())
+                                streaming_started.set()
                 return events, time.monotonic()
 
             async def waiting():
-                await asyncio.sleep(0.5)
+                await streaming_started.wait()
                 r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Twice", **LONG})
                 return r, time.monotonic()
 
-            return await asyncio.gather(streaming(), waiting())
+            async def kill_the_engine():
+                # once the stream is producing and the second request is pending in the engine too
+                await streaming_started.wait()
+                await wait_until_async(lambda: asyncio.to_thread(both_in_the_engine), timeout_s=60, interval_s=0.05,
+                                       message="the stream and the waiting request both in the engine")
+                engine.send_signal(signal.SIGKILL)
+                killed_at.append(time.monotonic())
+
+            results = await asyncio.gather(streaming(), waiting(), kill_the_engine())
+            return results[:2]
 
     (events, stream_end), (response, response_end) = asyncio.run(main())
     assert events[-1] == "[DONE]"

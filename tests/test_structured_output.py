@@ -1,5 +1,6 @@
 """Structured output with xgrammar on the real default model: JSON schema, regex, choice, EBNF, batch isolation,
-finish reasons and compiler errors; offline through `LLM` and over HTTP."""
+finish reasons and compiler errors; offline through `LLM` and over HTTP. Slow: constrained generations of the real
+model (one test alone runs ~45 s on 2 cores), and a real server."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ from server_utils import MODEL, server  # noqa: F401 - the fixture
 from conftest import single_threaded_llm
 from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.sampling_params import ParamError
+
+pytestmark = pytest.mark.slow
 
 PERSON = {
     "type": "object",

@@ -1,37 +1,49 @@
-"""`tokenmill serve | bench ...`: each subcommand's flags and entry point live in its own module."""
+"""`tokenmill serve | bench ...`: each subcommand's flags and entry point live in its own module.
+
+A subcommand's module is imported only when that subcommand runs: `tokenmill serve` must not pay for (or carry)
+the benchmarks' torch import, since the API server process imports no torch."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# (name, help, module, entry point); the module has add_cli_args(parser)
+SERVE = ("serve", "serve a model behind the OpenAI API", "tokenmill.server.api_server", "run_from_cli")
+BENCHES = [
+    ("throughput", "offline throughput of the engine", "tokenmill.bench.throughput", "main"),
+    ("step", "where one engine step's time goes: ops, sampling, scheduling, front end", "tokenmill.bench.step",
+     "main"),
+    ("serve", "goodput of an OpenAI-compatible endpoint: sweeps, SLOs, reports", "tokenmill.bench.serve", "main"),
+]
+
+
+def _attach(parser: argparse.ArgumentParser, module_name: str, entry: str) -> None:
+    module = importlib.import_module(module_name)
+    module.add_cli_args(parser)
+    parser.set_defaults(func=getattr(module, entry))
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tokenmill.server import api_server
-    serve = sub.add_parser("serve", help="serve a model behind the OpenAI API")
-    api_server.add_cli_args(serve)
-    serve.set_defaults(func=api_server.run_from_cli)
+    name, help_, module, entry = SERVE
+    serve = sub.add_parser(name, help=help_)
+    if argv[:1] == [name]:
+        _attach(serve, module, entry)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    from tokenmill.bench import throughput
-    tp = bench.add_parser("throughput", help="offline throughput of the engine")
-    throughput.add_cli_args(tp)
-    tp.set_defaults(func=throughput.main)
-    from tokenmill.bench import step
-    st = bench.add_parser("step", help="where one engine step's time goes: ops, sampling, scheduling, front end")
-    step.add_cli_args(st)
-    st.set_defaults(func=step.main)
-    from tokenmill.bench import serve as bench_serve
-    bs = bench.add_parser("serve", help="goodput of an OpenAI-compatible endpoint: sweeps, SLOs, reports",
-                          allow_abbrev=False)  # with --launch, unknown flags go to `tokenmill serve` whole
-    bench_serve.add_cli_args(bs)
-    bs.set_defaults(func=bench_serve.main)
+    for name, help_, module, entry in BENCHES:
+        # bench serve: with --launch, unknown flags go to `tokenmill serve` whole, so no abbreviations
+        parser_ = bench.add_parser(name, help=help_, allow_abbrev=name != "serve")
+        if argv[:2] == ["bench", name]:
+            _attach(parser_, module, entry)
 
     # Only `bench serve --launch` takes flags it does not know: they are passed to `tokenmill serve`.
     args, extra = parser.parse_known_args(argv)
-    if args.func is bench_serve.main:
+    if args.command == "bench" and args.bench_command == "serve":
         return args.func(args, extra) or 0
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

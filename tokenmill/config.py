@@ -1,4 +1,5 @@
-"""Engine configuration: one dataclass whose fields are the CLI flags (vLLM's names)."""
+"""Configuration as dataclasses whose fields are the CLI flags (vLLM's names): EngineConfig here, and the API
+server's ServerConfig in tokenmill/server/server_config.py. CliConfig turns the fields into argparse flags."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,34 @@ from tokenmill.reasoning import ReasoningSpec, reasoning_spec
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
+class CliConfig:
+    """Generates a dataclass's flags: --field-name per field, its help, choices, type and nargs from the field's
+    metadata, bools as --flag/--no-flag. One source of truth: the flag, its default and its doc are the field."""
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=help_)
+                continue
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            kind = f.metadata.get("type") or {"int": int, "int | None": int, "float": float,
+                                              "float | None": float}.get(f.type, str)
+            parser.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"),
+                                nargs=f.metadata.get("nargs"), help=help_)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
 @dataclass
-class EngineConfig:
+class EngineConfig(CliConfig):
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF directory, GGUF file, or SmolLM2-135M-Instruct"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: the model's)"})
     dtype: str = field(default="auto", metadata={"help": "auto|bfloat16|float16|float32",
@@ -51,24 +78,6 @@ class EngineConfig:
     @property
     def reasoning(self) -> ReasoningSpec | None:
         return reasoning_spec(self.reasoning_parser, self.think_start_str, self.think_end_str)
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            help_ = f.metadata.get("help", "")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=help_)
-                continue
-            kind = {"int": int, "int | None": int}.get(f.type, str)
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024**2,

@@ -1,24 +1,18 @@
 """Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`, in one process."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 
 from tqdm import tqdm
 
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
-from tokenmill.engine.engine import EngineCore, EngineCoreOutput
-from tokenmill.models.loader import load_tokenizer
+from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.engine import EngineCore
+from tokenmill.engine.messages import EngineCoreOutput
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.detokenizer import IncrementalDetokenizer
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of sample `index` of an n > 1 request: n=1, and a distinct seed if seeded."""
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)
+from tokenmill.sampling_params import SamplingParams, child_params
+from tokenmill.tokenizer import load_tokenizer
 
 
 class LLM:
@@ -90,7 +84,7 @@ class LLM:
         comp = out.outputs[index]
         comp.token_ids.extend(o.new_token_ids)
         if o.logprobs:
-            comp.logprobs = (comp.logprobs or []) + [tuple(e) for e in o.logprobs]
+            comp.logprobs = (comp.logprobs or []) + list(o.logprobs)
         if o.prompt_logprobs and index == 0:  # every sample computes them; the request gives them once
             out.prompt_logprobs = (out.prompt_logprobs or []) + list(o.prompt_logprobs)
         out.num_cached_tokens = o.num_cached_tokens

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.engine.messages import TokenLogprobs
+
 
 @dataclass
 class RequestMetrics:
@@ -31,12 +33,11 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    # per token: (token_id, logprob, rank, top ids, top logprobs)
-    logprobs: list[tuple] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token
 
     @property
     def cumulative_logprob(self) -> float | None:
-        return None if self.logprobs is None else sum(e[1] for e in self.logprobs)
+        return None if self.logprobs is None else sum(e.logprob for e in self.logprobs)
 
 
 @dataclass
@@ -46,6 +47,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None

@@ -1,6 +1,7 @@
 """Per-request sampling options, with vLLM's field names and defaults."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -103,3 +104,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of sample `index` of an n > 1 request: n=1, and a distinct seed if seeded."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)

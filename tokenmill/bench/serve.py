@@ -23,6 +23,7 @@ import httpx
 import msgspec
 
 import tokenmill
+from tokenmill import envs
 from tokenmill.bench import datasets, metrics, report
 
 DEFAULT_SLO = "ttft_p99_ms=2000,itl_p50_ms=100"
@@ -30,7 +31,7 @@ DEFAULT_SLO = "ttft_p99_ms=2000,itl_p50_ms=100"
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+    parser.add_argument("--api-key", default=envs.OPENAI_API_KEY,
                         help="bearer token (default: $OPENAI_API_KEY)")
     parser.add_argument("--model", default=None, help="model id to request (default: the endpoint's first)")
     parser.add_argument("--tokenizer", default=None,
@@ -369,7 +370,8 @@ def main(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if extra and not args.launch:
         raise SystemExit(f"unrecognised arguments: {' '.join(extra)} (engine flags need --launch)")
     slo = metrics.parse_slo(args.slo)
-    from tokenmill.models.loader import load_tokenizer, resolve_model_path
+    from tokenmill.models.paths import resolve_model_path
+    from tokenmill.tokenizer import load_tokenizer
     tok = args.tokenizer
     pool = datasets.WordPool(load_tokenizer(tok if tok and os.path.isdir(tok) else resolve_model_path(tok)))
     targets = [tuple(t.split("=", 1)) for t in args.compare] if args.compare else [(None, args.base_url)]

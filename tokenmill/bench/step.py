@@ -25,10 +25,10 @@ import torch
 from tokenmill.bench.serve import hardware
 from tokenmill.bench.throughput import random_prompts
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_proc import EngineCoreOutputs, EngineMessage
+from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.messages import EngineCoreOutputs, EngineMessage
 from tokenmill.kernels import cpu_flags
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.detokenizer import IncrementalDetokenizer
 
 WARMUP_STEPS = 2
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")

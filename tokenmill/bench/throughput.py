@@ -61,7 +61,7 @@ def run_hf(config: EngineConfig, prompts, output_len: int, batch_size: int, dtyp
            temperature: float) -> float:
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.models.loader import resolve_model_path
+    from tokenmill.models.paths import resolve_model_path
     path = resolve_model_path(config.model)
     if path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
@@ -86,8 +86,9 @@ def main(args: argparse.Namespace) -> int:
     if args.model_tag:
         args.model = args.model_tag
     config = EngineConfig.from_cli_args(args)
-    from tokenmill.models.loader import load_model_config, resolve_dtype, resolve_model_path
     from tokenmill.engine.runner import resolve_device
+    from tokenmill.models.loader import load_model_config, resolve_dtype
+    from tokenmill.models.paths import resolve_model_path
     info = load_model_config(resolve_model_path(config.model))
     prompts = random_prompts(args.num_prompts, args.input_len, info.hf_config.vocab_size, config.seed)
     dtype = resolve_dtype(config.dtype, info.hf_config, resolve_device(config.device))

@@ -1,9 +1,7 @@
-"""The engine core in its own process, and the messages it exchanges with the API server.
+"""The engine core in its own process.
 
-Two ZMQ PUSH/PULL sockets over ipc:// carry msgpack (msgspec, typed Structs below):
-  API server → engine: AddRequest | AbortRequests | StatsQuery
-  engine → API server: EngineReady | EngineStartupFailed (once), then EngineCoreOutputs (one per step)
-The API server binds both sockets; this process connects to them.
+It speaks the messages of tokenmill/engine/messages.py over two ZMQ PUSH/PULL sockets; the API server binds
+both sockets and this process connects to them.
 
 The loop: while requests are unfinished, drain the input socket without blocking and run one engine step; when
 idle, block on the input socket (waking once a second to notice a dead parent)."""
@@ -19,74 +17,24 @@ import traceback
 import msgspec
 import zmq
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
-from tokenmill.engine.engine import EngineCoreOutput, SchedulerStats
-from tokenmill.sampling_params import ParamError, SamplingParams
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    EngineInput,
+    EngineReady,
+    EngineStartupFailed,
+    RequestError,
+    StatsQuery,
+    StatsReply,
+)
+from tokenmill.sampling_params import ParamError
 
 logger = logging.getLogger("tokenmill.engine.core_proc")
 
 _IDLE_POLL_MS = 1000  # when idle: how often to check that the API server still lives
-
-
-# ---- API server → engine ----
-
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_id: int | None
-    priority: int
-    arrival_time: float  # time.monotonic(): one clock for all processes of a machine
-
-
-class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
-    query_id: int
-
-
-EngineInput = AddRequest | AbortRequests | StatsQuery
-
-
-# ---- engine → API server ----
-
-class EngineReady(msgspec.Struct, tag="ready", array_like=True):
-    max_model_len: int
-    vocab_size: int
-    max_logprobs: int
-    scheduling_policy: str
-    num_blocks: int
-    block_size: int
-    enable_prefix_caching: bool
-
-
-class EngineStartupFailed(msgspec.Struct, tag="failed", array_like=True):
-    message: str
-
-
-class RequestError(msgspec.Struct, array_like=True):
-    """add_request refused a request (normally the API server has validated it already)."""
-    request_id: str
-    message: str
-    param: str | None = None
-
-
-class StatsReply(msgspec.Struct, array_like=True):
-    query_id: int
-    stats: SchedulerStats
-
-
-class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
-    outputs: list[EngineCoreOutput] = []
-    errors: list[RequestError] = []
-    stats: list[StatsReply] = []
-    timestamp: float = 0.0  # time.monotonic() when the step ended: the time of every token in `outputs`
-    scheduler_stats: SchedulerStats | None = None  # after a step; None when no step ran
-
-
-EngineMessage = EngineReady | EngineStartupFailed | EngineCoreOutputs
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
@@ -130,7 +78,7 @@ def _set_engine_threads(config: EngineConfig) -> None:
     ISL 256 / OSL 128): 2 threads against 1 gave 205 vs 143 output tok/s at c=8 and 281 vs 179 at c=32, and TTFT
     p99 at c=8 went from 2.5 s to 1.6 s; the API server's share of the CPU is small and the OS scheduler hands
     it a core when it needs one (/health stays fast, see benchmarks/results). OMP_NUM_THREADS, when set, wins."""
-    if os.environ.get("OMP_NUM_THREADS") or config.device not in ("auto", "cpu"):
+    if envs.OMP_NUM_THREADS or config.device not in ("auto", "cpu"):
         return
     import torch
     if config.device == "auto" and torch.cuda.is_available():

@@ -11,81 +11,18 @@ import msgspec
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats, validate_request
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured_output import StructuredOutputManager
-from tokenmill.models.loader import load_model_config, load_tokenizer, resolve_model_path
+from tokenmill.models.loader import load_model_config
+from tokenmill.models.paths import resolve_model_path
 from tokenmill.reasoning import ThinkingTracker
-from tokenmill.sampling_params import ParamError, SamplingParams
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    # per new token: (token_id, logprob, rank, top ids, top logprobs)
-    logprobs: list[tuple] | None = None
-    prompt_logprobs: list | None = None
-    num_cached_tokens: int = 0
-    # monotonic timestamps, for the front end's timings and metrics
-    arrival_time: float = 0.0
-    first_scheduled_time: float = 0.0
-    first_token_time: float = 0.0
-    finished_time: float = 0.0
-
-
-class SchedulerStats(msgspec.Struct, array_like=True):
-    """The engine's state after a step; counters are cumulative since start, so a lost message loses nothing."""
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # 0..1
-    prefix_cache_queries: int  # tokens
-    prefix_cache_hits: int  # tokens
-    num_preemptions: int
-    step_tokens: int = 0  # tokens this step computed (prompt and generated): vllm:iteration_tokens_total
-    num_steps: int = 0
-    grammar_mask_time_s: float = 0.0  # spent filling structured-output bitmasks
-
-
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, priority: int, max_model_len: int,
-                     max_logprobs: int, vocab_size: int, scheduling_policy: str,
-                     kv_capacity_tokens: int | None = None, reasoning: bool = False) -> int:
-    """Raises ParamError if the engine cannot take the request; returns its max_tokens. The API server calls
-    it too, so that it can answer 400 before streaming starts."""
-    if not prompt_token_ids:
-        raise ParamError("the prompt is empty", "prompt")
-    n_prompt = len(prompt_token_ids)
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n_prompt
-    if n_prompt + max_tokens > max_model_len:
-        raise ParamError(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                         f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} "
-                         "in the completion). Please reduce the length of the messages or completion.",
-                         "max_tokens" if params.max_tokens is not None else "messages")
-    if kv_capacity_tokens is not None and n_prompt + max_tokens > kv_capacity_tokens:
-        # Admitting it would stall the queue forever: the pool could never hold it, even empty.
-        raise ParamError(f"The request needs {n_prompt + max_tokens} tokens of KV cache ({n_prompt} in the prompt, "
-                         f"{max_tokens} to generate), more than the whole KV cache holds ({kv_capacity_tokens} "
-                         "tokens). Lower max_tokens or shorten the prompt.",
-                         "max_tokens" if params.max_tokens is not None else "prompt")
-    if max_tokens < 1:
-        raise ParamError(f"the prompt ({n_prompt} tokens) leaves no room to generate within "
-                         f"max_model_len={max_model_len}", "prompt")
-    if (params.logprobs or 0) > max_logprobs or (params.prompt_logprobs or 0) > max_logprobs:
-        raise ParamError(f"at most {max_logprobs} logprobs may be requested", "logprobs")
-    for param, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
-                       ("logit_bias", list(params.logit_bias or ()))):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ParamError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})", param)
-    if params.thinking_token_budget is not None and not reasoning:
-        raise ParamError("thinking_token_budget needs a reasoning model: start with --reasoning-parser (or "
-                         "--think-start-str/--think-end-str)", "thinking_token_budget")
-    if scheduling_policy == "fcfs" and priority != 0:
-        raise ParamError("priority is only allowed with --scheduling-policy priority", "priority")
-    return max_tokens
 
 
 def default_max_num_batched_tokens(device) -> int:

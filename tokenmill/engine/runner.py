@@ -11,8 +11,9 @@ import psutil
 import torch
 
 from tokenmill.config import EngineConfig, parse_memory
+from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.engine.request import Request
-from tokenmill.engine.sampler import LogprobEntry, Sampler, logprob_entries
+from tokenmill.engine.sampler import Sampler, logprob_entries
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, get_attention_backend
 from tokenmill.models.loader import ModelInfo, load_model, resolve_dtype
@@ -25,8 +26,8 @@ CPU_DEFAULT_KV_BYTES = 4 * 1024**3  # vLLM-CPU's default KV space
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request_id → token, for requests whose step reached the end of their tokens
-    logprobs: dict[str, LogprobEntry]
-    prompt_logprobs: dict[str, list[LogprobEntry | None]]
+    logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]]
 
 
 def keep_freed_memory_in_process() -> None:
@@ -173,12 +174,12 @@ class ModelRunner:
             out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden[first:first + count])
         return out
 
-    def _prompt_logprobs(self, r: Request, hidden: torch.Tensor) -> list[LogprobEntry | None]:
+    def _prompt_logprobs(self, r: Request, hidden: torch.Tensor) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. start+count, given the hidden states at start .. start+count-1;
         the very first prompt token has none."""
         start = r.num_computed_tokens
         targets = r.prompt_token_ids[start + 1:start + 1 + hidden.shape[0]]
-        entries: list[LogprobEntry | None] = [None] if start == 0 else []
+        entries: list[TokenLogprobs | None] = [None] if start == 0 else []
         if targets:
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[:len(targets)]), dim=-1)
             ids = torch.tensor(targets, device=self.device)

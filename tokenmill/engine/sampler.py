@@ -11,19 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.engine.request import Request
-
-# A logprob entry: (token_id, logprob, rank of the token, top-k ids, top-k logprobs)
-LogprobEntry = tuple[int, float, int, list[int], list[float]]
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[LogprobEntry | None]
+    logprobs: list[TokenLogprobs | None]
 
 
-def logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[LogprobEntry]:
+def logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
     """logprobs [N, V] (already log-softmaxed), the chosen token of each row, and how many alternatives."""
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     ranks = (logprobs > chosen[:, None]).sum(1) + 1
@@ -31,7 +29,7 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[in
     top_vals, top_ids = logprobs.topk(kmax, dim=1) if kmax else (logprobs[:, :0], token_ids[:, None][:, :0])
     chosen, ranks = chosen.tolist(), ranks.tolist()
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    return [(int(t), chosen[i], ranks[i], top_ids[i][:ks[i]], top_vals[i][:ks[i]])
+    return [TokenLogprobs(int(t), chosen[i], ranks[i], top_ids[i][:ks[i]], top_vals[i][:ks[i]])
             for i, t in enumerate(token_ids.tolist())]
 
 
@@ -70,7 +68,7 @@ class Sampler:
         else:
             tokens = self._draw(logits, requests, greedy)
 
-        entries: list[LogprobEntry | None] = [None] * len(requests)
+        entries: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:
             rows = [i for i, w in enumerate(want_logprobs) if w]
             got = logprob_entries(raw_logprobs[rows], tokens[rows], [requests[i].params.logprobs for i in rows])

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
+from tokenmill import envs
 from tokenmill.kernels.build import ISA_FLAGS, build
 
 logger = logging.getLogger("tokenmill.kernels")
@@ -47,7 +47,7 @@ def load_ops(isa: str):
 @functools.cache
 def cpu_ops():
     """The ops for this CPU, or None (logged once, with the reason)."""
-    wanted = os.environ.get("TOKENMILL_CPU_ISA", "").strip().lower()
+    wanted = envs.TOKENMILL_CPU_ISA
     runnable = runnable_isas()
     if wanted == "none":
         logger.info("CPU kernels: off (TOKENMILL_CPU_ISA=none); using the pure-torch path")

@@ -22,6 +22,8 @@ import time
 import torch
 from torch.utils import cpp_extension
 
+from tokenmill import envs
+
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.cpp")
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -32,12 +34,11 @@ COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-
 
 
 def cache_dir() -> str:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return os.path.join(root, "kernels")
+    return os.path.join(envs.TOKENMILL_CACHE_DIR, "kernels")
 
 
 def compiler() -> str:
-    return os.environ.get("CXX") or "g++"
+    return envs.CXX
 
 
 def command(isa: str, output: str) -> list[str]:

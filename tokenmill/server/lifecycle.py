@@ -13,13 +13,12 @@ import signal
 
 import uvicorn
 
-from tokenmill.server.errors import error_response
+from tokenmill.server.errors import ServiceUnavailable, exception_response
 
 logger = logging.getLogger("tokenmill.server")
 
 # Paths that are about the server rather than work for it: always answered, never counted as in flight.
 CONTROL_PATHS = ("/health", "/health/ready", "/metrics", "/version", "/dashboard")
-RETRY_AFTER_S = 5
 
 
 class Lifecycle:
@@ -115,9 +114,7 @@ class LifecycleApp:
         if self.inner is None or (lc.phase != "ready" and path not in CONTROL_PATHS):
             why = {"loading": "the model is still loading", "draining": "the server is shutting down"}.get(
                 lc.phase, "the engine is not running")
-            response = error_response(503, f"Service unavailable: {why}.", "service_unavailable_error")
-            response.headers["Retry-After"] = str(RETRY_AFTER_S)
-            return await response(scope, receive, send)
+            return await exception_response(ServiceUnavailable(why))(scope, receive, send)
         if path in CONTROL_PATHS:
             return await self.inner(scope, receive, send)
         lc.begin()

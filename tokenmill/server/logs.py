@@ -7,8 +7,9 @@ import json
 import logging
 import os
 
+from tokenmill import envs
+
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
-_FORMAT_ENV = "TOKENMILL_LOG_FORMAT"  # inherited by the engine process
 
 
 class _RequestIdFilter(logging.Filter):
@@ -31,8 +32,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(log_format: str | None = None) -> None:
-    log_format = log_format or os.environ.get(_FORMAT_ENV, "text")
-    os.environ[_FORMAT_ENV] = log_format
+    log_format = log_format or envs.TOKENMILL_LOG_FORMAT
+    os.environ["TOKENMILL_LOG_FORMAT"] = log_format  # inherited by the engine process
     handler = logging.StreamHandler()
     handler.addFilter(_RequestIdFilter())
     if log_format == "json":

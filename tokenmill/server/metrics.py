@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from tokenmill.engine.engine import EngineCoreOutput, SchedulerStats
+from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

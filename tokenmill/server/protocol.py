@@ -230,12 +230,16 @@ class ChatResponseMessage(msgspec.Struct, omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChoice(msgspec.Struct):
+class ChoiceEnd(msgspec.Struct, kw_only=True):
+    """The fields a chat choice ends with, whole or streamed (always sent, null included)."""
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatChoice(ChoiceEnd):
     index: int
     message: ChatResponseMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-    stop_reason: str | int | None = None
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
@@ -258,12 +262,9 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatChunkChoice(msgspec.Struct):
+class ChatChunkChoice(ChoiceEnd):
     index: int
     delta: DeltaMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-    stop_reason: str | int | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):

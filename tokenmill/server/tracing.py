@@ -8,10 +8,11 @@ runs on the request path while it is served; a batch processor exports spans fro
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
+
+from tokenmill import envs
 
 logger = logging.getLogger("tokenmill.server.tracing")
 
@@ -41,10 +42,10 @@ class RequestTrace:
 def _traces_endpoint(flag: str | None) -> str | None:
     if flag:
         return flag if urlparse(flag).path not in ("", "/") else flag.rstrip("/") + "/v1/traces"
-    if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        return os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        return os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+    if envs.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT:
+        return envs.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    if envs.OTEL_EXPORTER_OTLP_ENDPOINT:
+        return envs.OTEL_EXPORTER_OTLP_ENDPOINT.rstrip("/") + "/v1/traces"
     return None
 
 
@@ -57,7 +58,7 @@ class RequestTracer:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES still apply: Resource.create merges them in.
-        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "tokenmill")})
+        resource = Resource.create({"service.name": envs.OTEL_SERVICE_NAME})
         self.provider = TracerProvider(resource=resource)
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("tokenmill")

@@ -1,0 +1,151 @@
+"""The messages that cross the engine process boundary, and the request checks both sides apply.
+
+Two ZMQ PUSH/PULL sockets over ipc:// carry msgpack (msgspec, the typed Structs below):
+  API server → engine: AddRequest | AbortRequests | StatsQuery
+  engine → API server: EngineReady | EngineStartupFailed (once), then EngineCoreOutputs (one per step)
+
+This module imports no torch (nor anything that does): the API server process, the router and the benchmarks
+import it to speak to an engine without loading a deep-learning framework."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+from tokenmill.sampling_params import ParamError, SamplingParams
+
+
+class TokenLogprobs(NamedTuple):
+    """The logprobs of one position: the token there, its logprob and rank, and the top alternatives.
+    A NamedTuple crosses the wire as a plain msgpack array, and reads by name in Python."""
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+# ---- API server → engine ----
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    priority: int
+    arrival_time: float  # time.monotonic(): one clock for all processes of a machine
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
+    query_id: int
+
+
+EngineInput = AddRequest | AbortRequests | StatsQuery
+
+
+# ---- engine → API server ----
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (None for the first)
+    num_cached_tokens: int = 0
+    # monotonic timestamps, for the front end's timings and metrics
+    arrival_time: float = 0.0
+    first_scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """The engine's state after a step; counters are cumulative since start, so a lost message loses nothing."""
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    step_tokens: int = 0  # tokens this step computed (prompt and generated): vllm:iteration_tokens_total
+    num_steps: int = 0
+    grammar_mask_time_s: float = 0.0  # spent filling structured-output bitmasks
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    scheduling_policy: str
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool
+
+
+class EngineStartupFailed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+class RequestError(msgspec.Struct, array_like=True):
+    """add_request refused a request (normally the API server has validated it already)."""
+    request_id: str
+    message: str
+    param: str | None = None
+
+
+class StatsReply(msgspec.Struct, array_like=True):
+    query_id: int
+    stats: SchedulerStats
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    errors: list[RequestError] = []
+    stats: list[StatsReply] = []
+    timestamp: float = 0.0  # time.monotonic() when the step ended: the time of every token in `outputs`
+    scheduler_stats: SchedulerStats | None = None  # after a step; None when no step ran
+
+
+EngineMessage = EngineReady | EngineStartupFailed | EngineCoreOutputs
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, priority: int, max_model_len: int,
+                     max_logprobs: int, vocab_size: int, scheduling_policy: str,
+                     kv_capacity_tokens: int | None = None, reasoning: bool = False) -> int:
+    """Raises ParamError if the engine cannot take the request; returns its max_tokens. The API server calls
+    it too, so that it can answer 400 before streaming starts."""
+    if not prompt_token_ids:
+        raise ParamError("the prompt is empty", "prompt")
+    n_prompt = len(prompt_token_ids)
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n_prompt
+    if n_prompt + max_tokens > max_model_len:
+        raise ParamError(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                         f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} "
+                         "in the completion). Please reduce the length of the messages or completion.",
+                         "max_tokens" if params.max_tokens is not None else "messages")
+    if kv_capacity_tokens is not None and n_prompt + max_tokens > kv_capacity_tokens:
+        # Admitting it would stall the queue forever: the pool could never hold it, even empty.
+        raise ParamError(f"The request needs {n_prompt + max_tokens} tokens of KV cache ({n_prompt} in the prompt, "
+                         f"{max_tokens} to generate), more than the whole KV cache holds ({kv_capacity_tokens} "
+                         "tokens). Lower max_tokens or shorten the prompt.",
+                         "max_tokens" if params.max_tokens is not None else "prompt")
+    if max_tokens < 1:
+        raise ParamError(f"the prompt ({n_prompt} tokens) leaves no room to generate within "
+                         f"max_model_len={max_model_len}", "prompt")
+    if (params.logprobs or 0) > max_logprobs or (params.prompt_logprobs or 0) > max_logprobs:
+        raise ParamError(f"at most {max_logprobs} logprobs may be requested", "logprobs")
+    for param, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
+                       ("logit_bias", list(params.logit_bias or ()))):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ParamError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})", param)
+    if params.thinking_token_budget is not None and not reasoning:
+        raise ParamError("thinking_token_budget needs a reasoning model: start with --reasoning-parser (or "
+                         "--think-start-str/--think-end-str)", "thinking_token_budget")
+    if scheduling_policy == "fcfs" and priority != 0:
+        raise ParamError("priority is only allowed with --scheduling-policy priority", "priority")
+    return max_tokens

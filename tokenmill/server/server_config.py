@@ -1,0 +1,63 @@
+"""The API server's own flags (the engine's are EngineConfig's), as one dataclass: field = flag, vLLM's names."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from tokenmill.config import CliConfig
+from tokenmill.server.chat_utils import SHIPPED_TEMPLATES
+from tokenmill.server.tool_parsers import TOOL_PARSERS
+
+DEFAULT_MAX_N = 128  # OpenAI's own limit for n
+
+
+@dataclass
+class ServerConfig(CliConfig):
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    served_model_name: list[str] | None = field(default=None, metadata={
+        "nargs": "+", "help": "the model name(s) the API accepts; the first is reported (default: the model)"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENMILL_API_KEY)"})
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"], metadata={
+        "type": json.loads, "help": "CORS origins, a JSON list"})
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"], metadata={
+        "type": json.loads, "help": "CORS methods, a JSON list"})
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"], metadata={
+        "type": json.loads, "help": "CORS headers, a JSON list"})
+    allow_credentials: bool = field(default=False, metadata={"help": "CORS: allow credentials"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template to use instead of the model's: a file, a shipped name "
+                f"({', '.join(sorted(SHIPPED_TEMPLATES))}), or the template text itself"})
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": "let the model decide to call tools (tool_choice auto); needs --tool-call-parser"})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "choices": sorted(TOOL_PARSERS), "help": "how the model writes tool calls, for tool_choice auto"})
+    max_n: int = field(default=DEFAULT_MAX_N, metadata={"help": "largest n a request may ask for"})
+    max_num_queued_reqs: int | None = field(default=None, metadata={
+        "help": "answer 503 (overloaded_error, Retry-After) past this many requests waiting for their first token "
+                "(default: no limit)"})
+    max_num_queued_tokens: int | None = field(default=None, metadata={
+        "help": "the same, counting the prompt tokens of those requests"})
+    shutdown_timeout: float = field(default=30.0, metadata={
+        "help": "on SIGTERM, seconds to let in-flight requests finish before failing them"})
+    disable_log_stats: bool = field(default=False, metadata={"help": "no stats line every 10 s"})
+    otlp_traces_endpoint: str | None = field(default=None, metadata={
+        "help": "export a span per request over OTLP/HTTP to this URL (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
+                "or OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing)"})
+    otlp_traces_include_text: bool = field(default=False, metadata={
+        "help": "also record prompt and completion text in spans (never done otherwise)"})
+    log_format: str = field(default="text", metadata={"choices": ["text", "json"], "help": "text or JSON log lines"})
+    uvicorn_log_level: str = field(default="info", metadata={
+        "choices": ["critical", "error", "warning", "info", "debug", "trace"], "help": "uvicorn's log level"})
+
+    def __post_init__(self):
+        if self.max_n < 1:
+            raise ValueError("--max-n must be at least 1")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    @property
+    def auto_tool_call_parser(self) -> str | None:
+        """The parser for tool_choice "auto": set only with --enable-auto-tool-choice."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None

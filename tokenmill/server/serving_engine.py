@@ -1,0 +1,206 @@
+"""What completions and chat share: request fields → SamplingParams, validation, starting the engine requests,
+collecting a non-streaming response, usage, and the request's trace. One subclass per endpoint family."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from tokenmill.server import protocol as p
+from tokenmill.server.engine_client import GenerationStream, SampleDelta
+from tokenmill.server.errors import sse_error_event
+from tokenmill.server.responses import DONE, ClientDisconnected, until_disconnected
+from tokenmill.server.server_state import ServerState
+from tokenmill.server.tracing import RequestTrace
+
+logger = logging.getLogger("tokenmill.server")
+
+
+@dataclass
+class CollectedChoice:
+    """A choice being accumulated for a non-streaming response."""
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class OpenAIServing:
+    """The base of the per-endpoint serving classes."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def sampling_params(self, req: p.SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None,
+                        tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        max_n = self.state.config.max_n
+        if req.n > max_n:
+            raise ParamError(f"n must be at most {max_n}, got {req.n}", "n")
+        logit_bias = None
+        if req.logit_bias:
+            try:
+                logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+            except ValueError as e:
+                raise ParamError("logit_bias keys must be token ids", "logit_bias") from e
+            bad = [t for t in logit_bias if not 0 <= t < self.state.engine.vocab_size]
+            if bad:
+                raise ParamError(f"logit_bias token id {bad[0]} is out of vocabulary", "logit_bias")
+            if any(not -100 <= v <= 100 for v in logit_bias.values()):
+                raise ParamError("logit_bias values must be in [-100, 100]", "logit_bias")
+        vocab = self.state.engine.vocab_size
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise ParamError(f"stop_token_ids: token id {bad[0]} is out of vocabulary (size {vocab})",
+                             "stop_token_ids")
+        for name in ("seed", "top_k", "min_tokens", "priority", "thinking_token_budget"):
+            value = getattr(req, name)
+            if value is not None and not -2**63 <= value < 2**63:
+                raise ParamError(f"{name} must fit in 64 bits, got {value}", name)
+        top_k = req.top_k or 0
+        if top_k >= vocab:  # keeps every token, as no top-k at all does
+            top_k = 0
+        structured = self.structured_outputs(req)
+        if tool_constraint is not None:
+            if structured is not None:
+                raise ParamError("tool_choice required or a named function cannot be combined with another "
+                                 "structured-output constraint", "tool_choice")
+            try:
+                self.state.grammar_compiler.compile(tool_constraint)
+            except ParamError as e:  # the schema came from a tool's parameters
+                raise ParamError(f"{e} (in the tools' parameters)", "tools") from None
+            structured = tool_constraint
+        return SamplingParams(
+            structured_outputs=structured, thinking_token_budget=req.thinking_token_budget,
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+            min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+            include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens)
+
+    def structured_outputs(self, req: p.SamplingFields) -> StructuredOutputsParams | None:
+        """The request's constraint, from whichever field carries it; compiled here first, so that an invalid
+        schema, regex or grammar is a 400 quoting the compiler (and the engine finds it in the cache)."""
+        specs = []
+        fmt = req.response_format
+        if fmt is not None and fmt.type != "text":
+            if fmt.type == "json_object":
+                specs.append(StructuredOutputsParams(json_object=True))
+            elif fmt.type == "json_schema":
+                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                    raise ParamError("response_format json_schema needs json_schema.schema", "response_format")
+                specs.append(StructuredOutputsParams(json=fmt.json_schema.schema_))
+            else:
+                raise ParamError(f"response_format type must be text, json_object or json_schema, got {fmt.type!r}",
+                                 "response_format")
+        for name, field_name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                                 ("grammar", "guided_grammar")):
+            if getattr(req, field_name) is not None:
+                specs.append(StructuredOutputsParams(**{name: getattr(req, field_name)}))
+        so = req.structured_outputs
+        if so is not None:
+            specs.append(StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                                                 choice=so.choice, grammar=so.grammar))
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise ParamError("give one structured-output constraint: response_format, guided_json, guided_regex, "
+                             "guided_choice, guided_grammar or structured_outputs", "response_format")
+        self.state.grammar_compiler.compile(specs[0])
+        return specs[0]
+
+    def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+               raw: Request, operation: str) -> GenerationStream:
+        """Validates every prompt first, so that a bad one fails the request before anything reaches the engine."""
+        state = self.state
+        state.client.check_alive()
+        for ids in prompts:
+            state.validate(ids, params, priority)
+        state.check_queue([ids for ids in prompts for _ in range(params.n)])
+        stream = state.client.generate(request_id, prompts, params, state.tokenizer, priority)
+        if state.tracer is not None:
+            stream.trace = RequestTrace(
+                request_id, operation, state.model_names[0], dict(raw.headers), params.max_tokens,
+                params.temperature, params.top_p, params.n, input_tokens=sum(len(ids) for ids in prompts))
+            if state.tracer.include_text:
+                stream.trace.prompt_text = "".join(state.tokenizer.decode(ids) for ids in prompts)
+            stream.on_close = self._record_trace
+        return stream
+
+    def _record_trace(self, stream: GenerationStream) -> None:
+        t = stream.trace
+        samples = sorted(stream.samples.values(), key=lambda s: s.index)
+        t.output_tokens = sum(s.num_tokens for s in samples)
+        t.finish_reasons = [s.finish_reason or "abort" for s in samples]
+        if self.state.tracer.include_text:
+            t.completion_text = "".join(s.detokenizer.text for s in samples)
+        try:
+            self.state.tracer.record(t)
+        except Exception:  # noqa: BLE001 - tracing must never fail a request
+            logger.exception("could not record the trace of %s", stream.request_id)
+
+    @staticmethod
+    def usage(prompts: list[list[int]], num_completion_tokens: int) -> p.Usage:
+        num_prompt = sum(len(ids) for ids in prompts)
+        return p.Usage(num_prompt, num_completion_tokens, num_prompt + num_completion_tokens)
+
+    @staticmethod
+    async def collect(stream: GenerationStream, num_choices: int) -> list[CollectedChoice]:
+        choices = [CollectedChoice() for _ in range(num_choices)]
+        with stream:
+            async for deltas in stream:
+                for d in deltas:
+                    c = choices[d.index]
+                    c.text += d.text
+                    c.num_tokens += len(d.token_ids)
+                    if d.logprobs:
+                        c.logprobs.extend(d.logprobs)
+                    if d.prompt_logprobs:
+                        c.prompt_logprobs.extend(d.prompt_logprobs)
+                    if d.finish_reason is not None:
+                        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        return choices
+
+    @staticmethod
+    async def stream_events(stream: GenerationStream, first: bytes, events_for: Callable[[SampleDelta], list[bytes]],
+                            usage_event: Callable[[int], bytes] | None) -> AsyncIterator[bytes]:
+        """A response's SSE body: `first`, then the events of each delta as the engine produces them (one write per
+        batch), then the usage chunk (given the number of generated tokens) when asked for, then [DONE]. A failure
+        after the status line went out ends the stream with an error event."""
+        num_tokens = 0
+        with stream:
+            try:
+                if first:
+                    yield first
+                async for deltas in stream:
+                    events = []
+                    for d in deltas:
+                        num_tokens += len(d.token_ids)
+                        events += events_for(d)
+                    if events:
+                        yield b"".join(events)
+            except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream, then end it
+                yield sse_error_event(e, stream.request_id) + DONE
+                return
+        if usage_event is not None:
+            yield usage_event(num_tokens)
+        yield DONE
+
+    async def run_to_completion(self, raw: Request, stream: GenerationStream, num_choices: int):
+        try:
+            return await until_disconnected(raw.receive, self.collect(stream, num_choices))
+        except ClientDisconnected:
+            logger.info("client went away; aborted %s", stream.request_id)
+            return Response(status_code=499)

@@ -1,0 +1,53 @@
+"""Loads a model's tokenizer with HF transformers, without importing torch where that can be avoided.
+
+transformers' AutoTokenizer imports torch whenever torch is installed (through its model-config modules), which
+would put a deep-learning framework in the API server process. When the tokenizer's own config names the generic
+tokenizers-backed class (`TokenizersBackend`, alias `PreTrainedTokenizerFast`), the class AutoTokenizer would pick
+anyway, we load that class directly: the same object, without torch. That covers every GGUF model, whose
+converted tokenizer we cache. Other tokenizer classes go through AutoTokenizer."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+from tokenmill import envs
+
+logger = logging.getLogger("tokenmill.tokenizer")
+
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_directory(path: str):
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            tokenizer_class = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        tokenizer_class = None
+    if tokenizer_class in GENERIC_TOKENIZER_CLASSES and os.path.exists(os.path.join(path, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
+    if tokenizer_path:
+        return _load_directory(tokenizer_path)
+    if os.path.isdir(model_path):
+        return _load_directory(model_path)
+    # Building a tokenizer from GGUF metadata takes ~10 s; keep the converted one, keyed by the file's identity.
+    st = os.stat(model_path)
+    key = hashlib.sha256(f"{os.path.abspath(model_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(envs.TOKENMILL_CACHE_DIR, "tokenizers", key)
+    if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+        return _load_directory(cached)
+    from transformers import AutoTokenizer  # the GGUF conversion itself needs it (and torch), once per file
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
+                                        local_files_only=True)
+    try:
+        tok.save_pretrained(cached)
+    except OSError as e:  # a read-only home only costs time
+        logger.warning("could not cache the tokenizer at %s: %s", cached, e)
+    return tok
