@@ -13,7 +13,8 @@ import httpx
 
 from tokenmill.engine.messages import EngineCoreOutput, EngineReady, SchedulerStats, TokenLogprobs
 from tokenmill.server.api_server import build_app
-from tokenmill.server.engine_client import EngineDeadError, GenerationStream
+from tokenmill.server.errors import EngineDeadError
+from tokenmill.server.generation_stream import GenerationStream
 from tokenmill.server.lifecycle import Lifecycle, LifecycleApp
 from tokenmill.server.server_config import ServerConfig
 from tokenmill.server.server_state import ServerState
@@ -36,6 +37,7 @@ class FakeEngineClient:
         self.num_queued_requests = 0  # tests set these to exercise backpressure
         self.num_queued_tokens = 0
         self.die_after_tokens: int | None = None  # tests set it: the engine process "dies" after that many tokens
+        self.max_generated_tokens: int | None = None  # tests set it: finish with "length" after that many tokens
         self._queues: dict[str, asyncio.Queue] = {}
         self._tasks: dict[str, asyncio.Task] = {}
 
@@ -59,6 +61,7 @@ class FakeEngineClient:
 
     async def _run(self, request_id, prompt_ids, params, queue) -> None:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.ready.max_model_len - len(prompt_ids)
+        max_tokens = min(max_tokens, self.max_generated_tokens or max_tokens)
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [self._logprobs(t, params.prompt_logprobs) for t in prompt_ids[1:]]
@@ -79,6 +82,12 @@ class FakeEngineClient:
     def _logprobs(token: int, k: int) -> TokenLogprobs:
         top = [token, token + 1][:k]
         return TokenLogprobs(token, -0.25, 1, top, [-0.25, -1.5][:len(top)])
+
+    def stream_opened(self, stream) -> None:  # the real client watches open streams for stalled readers
+        pass
+
+    def stream_closed(self, stream) -> None:
+        pass
 
     def abort(self, request_ids, finished_reason="abort") -> None:
         for request_id in request_ids:

@@ -52,10 +52,12 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tokenmill serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
+                # as a vLLM user's script would: wait for /health, then send traffic
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
-                # alive but not ready: the model is loading
-                self.seen_loading = self.seen_loading or httpx.get(self.url + "/health", timeout=2).status_code == 200
+                # alive (/health/live 200) but not ready (/health 503): the model is loading
+                live = httpx.get(self.url + "/health/live", timeout=2).status_code == 200
+                self.seen_loading = self.seen_loading or live
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
@@ -87,7 +89,7 @@ class RemoteServer:
         text = httpx.get(self.url + "/metrics", timeout=30).text
         values = {}
         for line in text.splitlines():
-            if line.startswith("vllm:"):
+            if line.startswith(("vllm:", "tokenmill:")):
                 name_labels, value = line.rsplit(" ", 1)
                 values[name_labels.split("{")[0]] = float(value)
         return values

@@ -243,9 +243,10 @@ async def test_loading_and_draining_answer_503(tokenizer, phase, why):
         err = _error(r, 503)
         assert err["type"] == "service_unavailable_error" and why in err["message"]
         assert int(r.headers["retry-after"]) > 0
-        assert (await client.get("/health")).status_code == 200  # alive
-        ready = await client.get("/health/ready")
-        assert ready.status_code == 503 and ready.text == phase
+        assert (await client.get("/health/live")).status_code == 200  # alive
+        for path in ("/health", "/health/ready"):  # but not serving, as in vLLM
+            ready = await client.get(path)
+            assert ready.status_code == 503 and ready.text == phase
         assert (await client.get("/metrics")).status_code == 200  # control paths still answer
 
 
@@ -265,6 +266,7 @@ async def test_dead_engine_fails_the_stream_in_flight_and_later_requests_with_50
         err = _error(r, 503)
         assert err == error  # one table: the same error object in a stream and in a response
         assert (await client.get("/health")).status_code == 503
+        assert (await client.get("/health/live")).status_code == 200  # the process still answers (it exits soon)
 
 
 # ---- 200: SSE framing and the shape of responses ----

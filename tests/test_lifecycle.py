@@ -29,9 +29,13 @@ def lone_server():
     s.stop()
 
 
-def test_ready_only_after_loading(lone_server):
-    # RemoteServer polled /health/ready until 200; before that it saw /health 200 with /health/ready 503
+def test_health_only_once_ready(lone_server):
+    # RemoteServer polled /health until 200; before that it saw /health 503 with /health/live 200 (loading)
     assert lone_server.seen_loading
+    # and the first request once /health said 200 is served
+    r = httpx.post(lone_server.url_for("/v1/completions"), headers=lone_server.headers(), timeout=60,
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
     assert httpx.get(lone_server.url_for("/health/ready")).status_code == 200
 
 

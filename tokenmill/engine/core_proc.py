@@ -98,6 +98,7 @@ class EngineCoreLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.errors: list[RequestError] = []
         self.stats_queries: list[int] = []
+        self.aborted = False  # since the last message: the state changed without a step
 
     def run(self) -> None:
         while True:
@@ -106,12 +107,16 @@ class EngineCoreLoop:
             self._drain_inputs()
             stepped = self.engine.has_unfinished_requests()
             outputs = self.engine.step() if stepped else []
-            if stepped or self.errors or self.stats_queries:
+            if stepped or self.errors or self.stats_queries or self.aborted:
                 stats = [StatsReply(q, self.engine.scheduler_stats()) for q in self.stats_queries]
-                sched_stats = self.engine.scheduler_stats(self.engine.last_step_tokens) if stepped else None
+                # Every change of state is reported (an abort frees blocks with no step after it), so the server's
+                # copy is always current and /metrics never has to wait for a step to end.
+                sched_stats = None
+                if stepped or self.aborted:
+                    sched_stats = self.engine.scheduler_stats(self.engine.last_step_tokens if stepped else 0)
                 msg = EngineCoreOutputs(outputs, self.errors, stats, time.monotonic(), sched_stats)
                 self.outputs.send(self.encoder.encode(msg), copy=False)
-                self.errors, self.stats_queries = [], []
+                self.errors, self.stats_queries, self.aborted = [], [], False
 
     def _wait_for_input(self) -> None:
         while not self.inputs.poll(_IDLE_POLL_MS):
@@ -140,5 +145,6 @@ class EngineCoreLoop:
         elif isinstance(msg, AbortRequests):
             for request_id in msg.request_ids:
                 self.engine.abort_request(request_id)
+            self.aborted = True
         elif isinstance(msg, StatsQuery):
             self.stats_queries.append(msg.query_id)

@@ -30,12 +30,14 @@ from tokenmill.server.lifecycle import DrainingServer, Lifecycle, LifecycleApp
 from tokenmill.server.logs import configure_logging
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
+from tokenmill.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
+from tokenmill.server.openapi import install_openapi
 from tokenmill.server.responses import json_response
 from tokenmill.server.server_config import ServerConfig
 from tokenmill.server.server_state import ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_completion import OpenAIServingCompletion
+from tokenmill.server.serving_responses import add_responses_routes
 from tokenmill.server.serving_tokenization import OpenAIServingTokenization
 from tokenmill.server.tracing import make_tracer
 from tokenmill.tokenizer import load_tokenizer
@@ -52,7 +54,9 @@ def build_app(state: ServerState) -> FastAPI:
     config = state.config
     app = FastAPI(title="tokenmill", version=tokenmill.__version__)
     add_error_handlers(app)
+    install_openapi(app, bool(config.api_key))
     _add_routes(app, state)
+    app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -78,7 +82,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.record_step(await state.client.stats())
+        # The engine reports its state with every change (each step, each abort); it is asked only before the first
+        # report, so a scrape never waits for a step to end.
+        if state.metrics.last_stats is None:
+            state.metrics.record_step(await state.client.stats())
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -95,9 +102,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request):
         return await chat.create_chat_completion(body, raw)
 
+    add_responses_routes(app, state)
+
     @app.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest):
-        return tokenization.tokenize(body)
+        return await tokenization.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest):
@@ -141,11 +150,19 @@ def run_from_cli(args: argparse.Namespace) -> int:
         return 0
 
 
+# The kernel's send buffer of each connection (accepted sockets inherit it). Left to autotuning it grows to
+# tcp_wmem's maximum (4 MiB here) for a client that stops reading, and the server would only notice the stall
+# (--stream-stall-timeout) once that much of the stream sat unread. 64 KiB still carries 640 KB/s at 100 ms RTT;
+# a token stream with 20 logprobs per token at 100 tokens/s is 70 KB/s.
+SEND_BUFFER_BYTES = 64 * 1024
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """Binds the port now, so that a taken port fails before the model loads."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES // 2)  # Linux doubles what it is given
     sock.bind((host, port))
     return sock
 
@@ -172,6 +189,7 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     server = DrainingServer(uvicorn.Config(root, log_level=config.uvicorn_log_level, timeout_keep_alive=30,
                                            lifespan="off", timeout_graceful_shutdown=5, log_config=None), lifecycle)
     client = EngineClient(engine_config)
+    client.stream_stall_timeout_s = config.stream_stall_timeout
     lifecycle.engine_alive = lambda: client.dead_reason is None
     # The port answers from now on: /health is 200 and /health/ready 503 while the model loads.
     http = asyncio.create_task(server.serve(sockets=[sock]))

@@ -7,7 +7,6 @@ from pathlib import Path
 from tokenmill.sampling_params import ParamError
 from tokenmill.server.protocol import ChatMessage
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 SHIPPED_TEMPLATES = {path.stem: path for path in TEMPLATES_DIR.glob("*.jinja")}
 
@@ -61,9 +60,6 @@ def to_template_messages(tokenizer, messages: list[ChatMessage]) -> list[dict]:
     map_developer = "developer" not in template
     out = []
     for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise ParamError(f"messages[{i}].role {m.role!r} is unknown; expected one of {', '.join(ROLES)}",
-                             "messages")
         role = "system" if m.role == "developer" and map_developer else m.role
         msg = {"role": role, "content": _content_text(m, i)}
         if m.name is not None:

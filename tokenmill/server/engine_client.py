@@ -1,10 +1,9 @@
 """The API server's handle on the engine process: start it, send it requests, route its outputs back.
 
 One asyncio task reads EngineCoreOutputs batches from ZMQ and puts each output on the queue of the
-GenerationStream that owns the request. A GenerationStream fans an API request out into engine requests
-(n samples per prompt), detokenizes their tokens, applies stop strings (aborting the engine request on a
-match), and yields per-sample deltas. Leaving its `with` block aborts whatever is still running, so a client that
-goes away frees its KV blocks at once."""
+GenerationStream (generation_stream.py) that owns the request. Another watches the open streams: one whose output
+has waited unread for --stream-stall-timeout (its client stopped reading) is aborted, so that a client cannot make
+the server hold KV blocks and buffer output without bound."""
 from __future__ import annotations
 
 import asyncio
@@ -15,61 +14,21 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.core_proc import run_engine_core
-from tokenmill.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineMessage,
-    EngineReady,
-    EngineStartupFailed,
-    RequestError,
-    SchedulerStats,
-    StatsQuery,
-    TokenLogprobs,
-)
-from tokenmill.sampling_params import ParamError, SamplingParams, child_params
+from tokenmill.engine.messages import (AbortRequests, AddRequest, EngineCoreOutputs, EngineMessage, EngineReady,
+                                       EngineStartupFailed, SchedulerStats, StatsQuery)
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import EngineDeadError, StreamStalled
+from tokenmill.server.generation_stream import GenerationStream
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.tracing import RequestTrace
 
 logger = logging.getLogger("tokenmill.server.engine_client")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process has exited; nothing can be served."""
-
-
-@dataclass
-class SampleDelta:
-    """What one sample (one choice) gained since the last delta."""
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-    prompt_logprobs: list[TokenLogprobs | None] | None
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-
-
-@dataclass
-class _Sample:
-    index: int
-    engine_request_id: str
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
 
 
 class EngineClient:
@@ -101,6 +60,9 @@ class EngineClient:
         self._queued: dict[str, int] = {}  # requests without their first output yet → prompt tokens
         self._process: multiprocessing.process.BaseProcess | None = None
         self._output_task: asyncio.Task | None = None
+        self.stream_stall_timeout_s: float | None = None  # set by the server (--stream-stall-timeout)
+        self._streams: dict[str, GenerationStream] = {}  # the open ones, by request id, watched for stalls
+        self._watchdog_task: asyncio.Task | None = None
 
     # ---- lifecycle ----
 
@@ -131,14 +93,16 @@ class EngineClient:
         loop.add_reader(self._process.sentinel, self._on_engine_exit)
         self._output_task = loop.create_task(self._output_loop(), name="engine-output-loop")
         self._output_task.add_done_callback(self._on_output_loop_done)
+        self._watchdog_task = loop.create_task(self._abort_stalled_streams(), name="stalled-stream-watchdog")
         return msg
 
     def shutdown(self) -> None:
         """Stops the engine process and releases the sockets; safe to call twice."""
         if self._ctx.closed:
             return
-        if self._output_task is not None:
-            self._output_task.cancel()
+        for task in (self._output_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
         proc = self._process
         if proc is not None:
             try:
@@ -241,6 +205,27 @@ class EngineClient:
                 if waiter is not None and not waiter.done():
                     waiter.set_result(reply.stats)
 
+    def stream_opened(self, stream: GenerationStream) -> None:
+        self._streams[stream.request_id] = stream
+
+    def stream_closed(self, stream: GenerationStream) -> None:
+        self._streams.pop(stream.request_id, None)
+
+    async def _abort_stalled_streams(self) -> None:
+        """Fails the streams whose reader has left output unread for longer than the stall timeout."""
+        while True:
+            timeout = self.stream_stall_timeout_s
+            await asyncio.sleep(min(1.0, timeout / 4) if timeout else 1.0)
+            if not timeout:
+                continue
+            now = time.monotonic()
+            for stream in [s for s in self._streams.values() if not s.queue.empty() and now - s.last_read > timeout]:
+                logger.warning("%s: the client has read nothing for %.0f s; aborting it", stream.request_id,
+                               now - stream.last_read)
+                if self.metrics is not None:
+                    self.metrics.stalled_streams.inc()
+                stream.fail(StreamStalled(f"the client read nothing for {timeout:g} s (--stream-stall-timeout)"))
+
     def _send(self, msg) -> None:
         self._input.send(self._encoder.encode(msg), copy=False)
 
@@ -282,110 +267,3 @@ class EngineClient:
                  priority: int = 0) -> GenerationStream:
         """n samples of each prompt; use as `with client.generate(...) as stream: async for deltas in stream`."""
         return GenerationStream(self, request_id, prompts, params, tokenizer, priority)
-
-
-@dataclass
-class GenerationStream:
-    """The samples of one API request; choice index = prompt index * n + sample index."""
-    client: EngineClient
-    request_id: str
-    prompts: list[list[int]]
-    params: SamplingParams
-    tokenizer: object
-    priority: int = 0
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    samples: dict[str, _Sample] = field(default_factory=dict)
-    unfinished: set[str] = field(default_factory=set)
-    trace: RequestTrace | None = None  # filled in as outputs arrive; handed to on_close
-    on_close: Callable[[GenerationStream], None] | None = None
-
-    def __post_init__(self):
-        n = self.params.n
-        for p, prompt in enumerate(self.prompts):
-            for i in range(n):
-                params = child_params(self.params, i)
-                engine_id = f"{self.request_id}-{p}-{i}"
-                detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt)
-                self.samples[engine_id] = _Sample(p * n + i, engine_id, params, detokenizer)
-
-    def __enter__(self) -> GenerationStream:
-        eos = self.tokenizer.eos_token_id
-        try:
-            for engine_id, sample in self.samples.items():
-                self.client.add_request(engine_id, self.prompts[sample.index // self.params.n], sample.params, eos,
-                                        self.priority, self.queue)
-                self.unfinished.add(engine_id)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Aborts the samples still running in the engine."""
-        if self.unfinished:
-            self.client.abort(sorted(self.unfinished))
-            self.unfinished.clear()
-        on_close, self.on_close = self.on_close, None
-        if on_close is not None:
-            on_close(self)
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> list[SampleDelta]:
-        """The deltas of all samples that moved since the last call (several engine steps if we fell behind)."""
-        if not self.unfinished:
-            raise StopAsyncIteration
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        deltas: dict[str, SampleDelta] = {}
-        for item in items:
-            if isinstance(item, EngineDeadError):
-                self.unfinished.clear()
-                raise item
-            if isinstance(item, RequestError):
-                self.close()
-                raise ParamError(item.message, item.param)
-            if item.request_id in self.unfinished:
-                self._apply(item, deltas)
-        for engine_id, delta in deltas.items():
-            sample = self.samples[engine_id]
-            delta.text = sample.detokenizer.delta(delta.finish_reason is not None)
-        return sorted(deltas.values(), key=lambda d: d.index)
-
-    def _apply(self, out: EngineCoreOutput, deltas: dict[str, SampleDelta]) -> None:
-        sample = self.samples[out.request_id]
-        if self.trace is not None:
-            self._time(out)
-        delta = deltas.get(out.request_id)
-        if delta is None:
-            delta = deltas[out.request_id] = SampleDelta(sample.index, "", [], None, None, None)
-        delta.token_ids.extend(out.new_token_ids)
-        sample.num_tokens += len(out.new_token_ids)
-        if out.logprobs:
-            delta.logprobs = (delta.logprobs or []) + list(out.logprobs)
-        if out.prompt_logprobs:
-            delta.prompt_logprobs = (delta.prompt_logprobs or []) + list(out.prompt_logprobs)
-        finish, stop_reason = sample.detokenizer.finish(out.new_token_ids, out.finish_reason,
-                                                         sample.params.stop_token_ids)
-        if finish is None:
-            return
-        if out.finish_reason is None:
-            self.client.abort([out.request_id], finish)
-        self.unfinished.discard(out.request_id)
-        sample.finish_reason = delta.finish_reason = finish
-        sample.stop_reason = stop_reason
-        delta.stop_reason = sample.stop_reason
-
-    def _time(self, out: EngineCoreOutput) -> None:
-        """The request's span covers all its samples: earliest arrival, scheduling and first token, last finish."""
-        t = self.trace
-        for name, value in (("arrival", out.arrival_time), ("first_scheduled", out.first_scheduled_time),
-                            ("first_token", out.first_token_time)):
-            if value and (not getattr(t, name) or value < getattr(t, name)):
-                setattr(t, name, value)
-        t.finished = max(t.finished, out.finished_time or time.monotonic())

@@ -16,11 +16,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.sampling_params import ParamError
 from tokenmill.server import protocol as p
-from tokenmill.server.engine_client import EngineDeadError
 
 logger = logging.getLogger("tokenmill.server")
 
 RETRY_AFTER_S = 5  # the Retry-After of every 503: queue full, loading, draining
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process has exited; nothing can be served."""
+
+
+class StreamStalled(RuntimeError):
+    """The client stopped reading its stream; the request was aborted."""
 
 
 class ModelNotFound(Exception):
@@ -38,6 +45,10 @@ class Overloaded(Exception):
     """The queue is past --max-num-queued-reqs or --max-num-queued-tokens: 503 with Retry-After."""
 
 
+class RequestTooLarge(Exception):
+    """The body is past --max-request-body-bytes: refused before it is read in full."""
+
+
 class ServiceUnavailable(Exception):
     """The server is loading its model or shutting down: 503 with Retry-After."""
 
@@ -53,9 +64,11 @@ ERRORS: dict[type[BaseException], ErrorKind] = {
     ParamError: ErrorKind(400, "invalid_request_error"),
     Unauthorized: ErrorKind(401, "authentication_error"),
     ModelNotFound: ErrorKind(404, "not_found_error"),
+    RequestTooLarge: ErrorKind(413, "invalid_request_error"),
     Overloaded: ErrorKind(503, "overloaded_error", retry_after=True),
     ServiceUnavailable: ErrorKind(503, "service_unavailable_error", "Service unavailable: {}.", retry_after=True),
     EngineDeadError: ErrorKind(503, "service_unavailable_error", "The server cannot serve requests: {}"),
+    StreamStalled: ErrorKind(408, "timeout_error", "The request was aborted: {}."),
 }
 INTERNAL_ERROR = ErrorKind(500, "internal_server_error", "Internal server error; see the server log.")
 # Starlette's own HTTP errors (unknown route, wrong method) by status; any other status is invalid_request_error
@@ -94,6 +107,36 @@ def sse_error_event(exc: BaseException, request_id: str) -> bytes:
     return b"data: " + msgspec.json.encode(p.ErrorResponse(error_info(exc))) + b"\n\n"
 
 
+_BOUND_ERRORS = ("greater_than_equal", "greater_than", "less_than_equal", "less_than")
+
+
+def _out_of_bounds(where: str, top_level: bool, error: dict) -> str:
+    """A value out of the bounds its field declares, in the words SamplingParams.validate uses ("top_p must be in
+    (0, 1]", "n must be at least 1", "non-negative", "must fit in 64 bits"), which clients and tests know. pydantic
+    names only the bound that failed; a top-level field's other bound comes from its declaration."""
+    violated = error.get("ctx", {})
+    bounds = dict(violated)
+    if top_level:
+        for model in (p.CompletionRequest, p.ChatCompletionRequest):
+            field = model.model_fields.get(where)
+            if field is not None:
+                bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+                break
+    value = error.get("input")
+    if any(v in (p.INT64_MIN, p.INT64_MAX) for v in violated.values()):
+        return f"{where} must fit in 64 bits, got {value}"
+    low = [(k, v) for k, v in bounds.items() if k in ("ge", "gt") and v != p.INT64_MIN]
+    high = [(k, v) for k, v in bounds.items() if k in ("le", "lt") and v != p.INT64_MAX]
+    if low and high:
+        (lk, lv), (hk, hv) = low[0], high[0]
+        interval = f"{'[' if lk == 'ge' else '('}{lv:g}, {hv:g}{']' if hk == 'le' else ')'}"
+        return f"{where} must be in {interval}, got {value}"
+    k, v = (low or high)[0]
+    words = {"ge": "non-negative" if v == 0 else f"at least {v:g}", "gt": "positive" if v == 0 else f"more than {v:g}",
+             "le": f"at most {v:g}", "lt": f"less than {v:g}"}
+    return f"{where} must be {words[k]}, got {value}"
+
+
 def _validation_error_response(exc: RequestValidationError) -> Response:
     """pydantic's 422 becomes OpenAI's 400, naming the first offending field."""
     errors = exc.errors()
@@ -102,9 +145,13 @@ def _validation_error_response(exc: RequestValidationError) -> Response:
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx", {}).get("error", "")
         return exception_response(ParamError(f"The request body is not valid JSON: {ctx}".rstrip(": ")))
+    if first.get("type") == "value_error" and isinstance(first.get("ctx", {}).get("error"), ParamError):
+        return exception_response(first["ctx"]["error"])  # a model validator's own error, param and all
     where = ".".join(str(x) for x in loc) or "body"
     if first.get("type") == "missing":
         message = f"{where}: field required"
+    elif first.get("type") in _BOUND_ERRORS:
+        message = _out_of_bounds(where, len(loc) == 1, first)
     else:
         message = f"{where}: {first.get('msg')} (got {first.get('input')!r})"
     return exception_response(ParamError(message, str(loc[0]) if loc else None))
@@ -124,7 +171,9 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         type_ = HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
-        return error_response(exc.status_code, str(exc.detail), type_)
+        response = error_response(exc.status_code, str(exc.detail), type_)
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110)
+        return response
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, exc: Exception):

@@ -1,7 +1,9 @@
 """The server's life: loading → ready → draining (SIGTERM) or dead (the engine process died), and what HTTP sees.
 
-The port opens before the model loads, so that an orchestrator can tell "alive but loading" (/health 200,
-/health/ready 503) from "dead". On SIGTERM the server stops admitting work (503) but keeps its port, lets
+The port opens before the model loads, so that an orchestrator can tell "alive but loading" (/health/live 200,
+/health 503) from "dead". /health means what it means in vLLM: 200 only when a request would be served, so that
+scripts and probes written for vLLM (wait for /health, then send traffic) work; /health/ready is the same.
+On SIGTERM the server stops admitting work (503) but keeps its port, lets
 in-flight requests finish for up to --shutdown-timeout, fails what is left with a clear error, and exits 0.
 If the engine process dies, pending requests fail with 503 at once and the server exits 1, so that it is
 restarted."""
@@ -18,7 +20,7 @@ from tokenmill.server.errors import ServiceUnavailable, exception_response
 logger = logging.getLogger("tokenmill.server")
 
 # Paths that are about the server rather than work for it: always answered, never counted as in flight.
-CONTROL_PATHS = ("/health", "/health/ready", "/metrics", "/version", "/dashboard")
+CONTROL_PATHS = ("/health", "/health/ready", "/health/live", "/metrics", "/version", "/dashboard")
 
 
 class Lifecycle:
@@ -105,12 +107,14 @@ class LifecycleApp:
         if scope["type"] != "http":
             return
         lc, path = self.lifecycle, scope["path"]
-        if path == "/health":
-            ok = lc.phase != "dead" and lc.engine_alive()
-            return await _plain(send, 200 if ok else 503, b"" if ok else b"engine dead")
-        if path == "/health/ready":
+        if path.startswith("/health") and path in CONTROL_PATHS and scope["method"] != "GET":
+            return await _plain(send, 405, b"", [(b"allow", b"GET")])  # as FastAPI answers for its routes
+        if path == "/health/live":  # liveness: the process answers
+            return await _plain(send, 200, b"")
+        if path in ("/health", "/health/ready"):  # readiness: a request now would be served
             ok = lc.phase == "ready" and lc.engine_alive()
-            return await _plain(send, 200 if ok else 503, lc.phase.encode())
+            why = b"" if ok else (lc.phase.encode() if lc.engine_alive() else b"engine dead")
+            return await _plain(send, 200 if ok else 503, why)
         if self.inner is None or (lc.phase != "ready" and path not in CONTROL_PATHS):
             why = {"loading": "the model is still loading", "draining": "the server is shutting down"}.get(
                 lc.phase, "the engine is not running")
@@ -124,8 +128,8 @@ class LifecycleApp:
             lc.end()
 
 
-async def _plain(send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+async def _plain(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
 

@@ -70,6 +70,8 @@ class ServerMetrics:
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.stalled_streams = counter("tokenmill:stalled_streams_aborted",
+                                       "Streaming requests aborted because their client stopped reading.")
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name

@@ -1,10 +1,12 @@
-"""Pure-ASGI middleware (streaming and disconnects pass through untouched): request ids and the API key."""
+"""Pure-ASGI middleware (streaming and disconnects pass through untouched): request ids, the API key, and the
+request-body size limit."""
 from __future__ import annotations
 
 import hmac
+import time
 import uuid
 
-from tokenmill.server.errors import Unauthorized, exception_response
+from tokenmill.server.errors import RequestTooLarge, Unauthorized, exception_response
 from tokenmill.server.logs import request_id_var
 
 
@@ -49,3 +51,59 @@ class ApiKeyMiddleware:
                     Unauthorized("Invalid or missing API key: send 'Authorization: Bearer <key>'."))
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Refuses bodies over `limit` bytes with 413, deciding from Content-Length before reading any of it, or, for
+    a chunked body, as soon as the count passes the limit; nothing past the limit is kept in memory.
+
+    The rest of a refused body is read and dropped (for up to DRAIN_S) before the 413 goes out: a server that
+    answers and closes while the client is still sending makes the client see a reset instead of the answer."""
+    DRAIN_S = 2.0
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(int(length), receive, scope, send, 0)
+        if length is not None:  # within the limit; the HTTP server holds the client to it
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0  # a chunked body: read it here, counting
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(None, receive, scope, send, size, message.get("more_body", False))
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: disconnects
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, length: int | None, receive, scope, send, read: int, more: bool = True) -> None:
+        deadline = time.monotonic() + self.DRAIN_S
+        while more and time.monotonic() < deadline:
+            message = await receive()
+            more = message["type"] == "http.request" and message.get("more_body", False)
+            read += len(message.get("body", b""))
+        if length is None and not more:  # a chunked body drained to its end: now its size is known
+            length = read
+        size = f"{length} bytes" if length is not None else f"over {read} bytes"
+        error = RequestTooLarge(f"The request body is {size}, more than the server accepts "
+                                f"(--max-request-body-bytes {self.limit}).")
+        await exception_response(error)(scope, receive, send)

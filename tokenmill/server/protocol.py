@@ -1,20 +1,65 @@
 """The OpenAI (and vLLM) API shapes: pydantic models for request bodies, msgspec Structs for responses.
 
-Requests are validated by pydantic (a wrong type becomes a 400 naming the field); responses are built as Structs
-and encoded by msgspec, which is fast enough to stream to hundreds of clients. Unknown request fields are
-accepted and ignored, as OpenAI does."""
+Requests are validated by pydantic (a wrong type or a value out of its bounds becomes a 400 naming the field);
+the bounds are declared on the fields, so that /openapi.json states them. Validation is strict (no "2" for 2, no 1
+for true), as the schema says. Unknown request fields are accepted, ignored and logged, as vLLM does; OpenAI fields
+tokenmill does not implement are refused (400), never silently ignored. Responses are built as Structs and encoded
+by msgspec, which is fast enough to stream to hundreds of clients."""
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+
+from tokenmill.sampling_params import ParamError
+
+logger = logging.getLogger("tokenmill.server")
+
+# What the engine's int64 tensors hold, as JSON Schema tools see it: they compute with doubles, and 2**63 - 1 is not
+# one (it rounds to 2**63, out of range); 2**63 - 1024 is the largest int64 a double holds exactly.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1024
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOKEN_ID = "^[0-9]+$"
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer as JSON Schema counts them: 2.0 is one, "2" and true are not. (Strict validation alone refuses 2.0; lax
+# validation takes "2".)
+Int = Annotated[int, BeforeValidator(_integral)]
 
 # ============================== requests ==============================
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+
+class _Body(_Request):
+    """A whole request body. `_UNSUPPORTED` names the OpenAI fields tokenmill does not implement (with a hint): each
+    is declared as its "off" value only, so that the schema says so, and any other value is a 400 naming it."""
+    _UNSUPPORTED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, hint in cls._UNSUPPORTED.items():
+                value = data.get(name)
+                if value is not None and value != cls.model_fields[name].default:
+                    raise ParamError(f"{name} is not supported by tokenmill{hint}, got {value!r}", name)
+        return data
+
+    @model_validator(mode="after")
+    def _log_ignored(self):
+        if self.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           set(self.model_extra))
+        return self
 
 
 class StreamOptions(_Request):
@@ -29,7 +74,7 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    type: str  # "text" | "json_object" | "json_schema"
+    type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
@@ -42,28 +87,31 @@ class StructuredOutputsField(_Request):
     grammar: str | None = None
 
 
-class SamplingFields(_Request):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
+class SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras). The bounds that
+    depend on the server (n <= --max-n, the context length, token ids in the vocabulary) are checked at run time."""
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    n: Int = Field(default=1, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # token id (as text) → bias; pydantic's schema states the keys' pattern only for the keys that match it
+    logit_bias: dict[Annotated[str, StringConstraints(pattern=TOKEN_ID)], Annotated[float, Field(ge=-100, le=100)]] \
+        | None = Field(default=None, json_schema_extra={"propertyNames": {"pattern": TOKEN_ID}})
+    seed: Int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Int | None = Field(default=None, ge=-1, le=INT64_MAX)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
+    min_tokens: Int = Field(default=0, ge=0, le=INT64_MAX)
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
+    priority: Int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -74,14 +122,26 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsField | None = None
-    thinking_token_budget: int | None = None  # reasoning models: force the end of thinking after this many tokens
+    # reasoning models: force the end of thinking after this many tokens
+    thinking_token_budget: Int | None = Field(default=None, ge=0, le=INT64_MAX)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    _UNSUPPORTED: ClassVar[dict[str, str]] = {"suffix": "", "use_beam_search": ""}
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs: checked at run time
+    suffix: None = None
+    use_beam_search: Literal[False] = False
+    best_of: Int | None = Field(default=None, ge=1)  # only as many as n: there is no best-of selection
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError(f"best_of is not supported by tokenmill: it must equal n ({self.n}), got {self.best_of}",
+                             "best_of")
+        return self
 
 
 class TextContentPart(_Request):
@@ -90,7 +150,7 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Literal[ROLES]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -98,11 +158,14 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
+    _UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "functions": ": use tools", "function_call": ": use tool_choice", "audio": "",
+        "modalities": ' (only ["text"])', "prediction": "", "web_search_options": ""}
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs: checked at run time
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool = True
@@ -111,9 +174,15 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    functions: None = None
+    function_call: None = None
+    audio: None = None
+    modalities: list[Literal["text"]] | None = Field(default=["text"], min_length=1, max_length=1)
+    prediction: None = None
+    web_search_options: None = None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: either a prompt, or chat messages rendered with the chat template."""
     model: str | None = None
     prompt: str | None = None
@@ -126,9 +195,9 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[Int, Field(ge=0)]]
 
 
 # ============================== responses ==============================

@@ -33,6 +33,11 @@ class ServerConfig(CliConfig):
         "help": "let the model decide to call tools (tool_choice auto); needs --tool-call-parser"})
     tool_call_parser: str | None = field(default=None, metadata={
         "choices": sorted(TOOL_PARSERS), "help": "how the model writes tool calls, for tool_choice auto"})
+    max_request_body_bytes: int = field(default=16 * 2**20, metadata={
+        "help": "refuse a request body larger than this (413), before reading it in full"})
+    stream_stall_timeout: float = field(default=30.0, metadata={
+        "help": "abort a streaming request whose client has not taken its pending output for this many seconds "
+                "(it stopped reading): its KV cache is freed"})
     max_n: int = field(default=DEFAULT_MAX_N, metadata={"help": "largest n a request may ask for"})
     max_num_queued_reqs: int | None = field(default=None, metadata={
         "help": "answer 503 (overloaded_error, Retry-After) past this many requests waiting for their first token "

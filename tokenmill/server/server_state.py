@@ -1,16 +1,23 @@
 """What every route shares once the engine is ready: the engine client, the tokenizer, the flags, and the checks
-a request passes before anything reaches the engine (model name, the engine's own limits, backpressure)."""
+a request passes before anything reaches the engine (model name, the engine's own limits, backpressure).
+
+Tokenizing and templating run off the event loop: a long prompt takes seconds (12 MB of text: 17 s on 2 cores),
+and meanwhile /health, /metrics and every stream must keep answering. A text too long for the context whatever
+its tokens is refused before it is tokenized at all."""
 from __future__ import annotations
 
+import asyncio
 import functools
 from dataclasses import dataclass, field
 
 from tokenmill.engine.messages import EngineReady, validate_request
 from tokenmill.reasoning import ReasoningSpec
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import ParamError, SamplingParams
+from tokenmill.server.chat_utils import render_chat
 from tokenmill.server.engine_client import EngineClient
 from tokenmill.server.errors import ModelNotFound, Overloaded
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.protocol import ChatMessage
 from tokenmill.server.server_config import ServerConfig
 
 
@@ -24,9 +31,11 @@ class ServerState:
     reasoning: ReasoningSpec | None = None  # --reasoning-parser
     tracer: object | None = None  # a RequestTracer when tracing is on
     metrics: ServerMetrics = field(init=False)
+    max_chars_per_token: int = field(init=False)  # the longest token's text: n characters are ≥ n / this tokens
     _token_strs: dict[int, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self):
+        self.max_chars_per_token = max(len(token) for token in self.tokenizer.get_vocab())
         e = self.engine
         self.metrics = ServerMetrics(self.model_names[0], e.max_model_len, e.num_blocks, e.block_size,
                                      e.enable_prefix_caching)
@@ -68,3 +77,31 @@ class ServerState:
         if max_tokens is not None and queued_tokens + new_tokens > max_tokens:
             raise Overloaded(f"The server is overloaded: {queued_tokens} prompt tokens are queued "
                              f"(--max-num-queued-tokens {max_tokens}); retry later.")
+
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuses, without tokenizing it, text that cannot fit the context: every token covers at most
+        max_chars_per_token characters of its vocabulary form (which is never shorter than the text it stands
+        for), and a factor 2 covers normalizers that compose characters."""
+        at_least = num_chars // (2 * self.max_chars_per_token)
+        if at_least > self.engine.max_model_len:
+            raise ParamError(f"This model's maximum context length is {self.engine.max_model_len} tokens. However, "
+                             f"the {param} is {num_chars} characters long, at least {at_least} tokens. Please reduce "
+                             f"the length of the {param}.", param)
+
+    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Prompts as token ids, off the event loop."""
+        self.check_text_length(max(len(t) for t in texts), "prompt")
+        return await asyncio.to_thread(lambda: [self.tokenizer.encode(t, add_special_tokens=add_special_tokens)
+                                                for t in texts])
+
+    async def render_chat(self, messages: list[ChatMessage], *args) -> tuple[str, list[int]]:
+        """The chat template and its token ids, off the event loop (render_chat's arguments after messages)."""
+        self.check_text_length(sum(_num_chars(m) for m in messages), "messages")
+        return await asyncio.to_thread(render_chat, self.tokenizer, messages, *args)
+
+
+def _num_chars(message: ChatMessage) -> int:
+    content = message.content
+    if isinstance(content, list):
+        return sum(len(part.text or "") for part in content)
+    return len(content or "")

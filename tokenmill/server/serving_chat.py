@@ -16,8 +16,7 @@ from tokenmill.reasoning import ReasoningSplitter
 from tokenmill.sampling_params import ParamError, StructuredOutputsParams
 from tokenmill.server import protocol as p
 from tokenmill.server.chat_output import ChatOutputParser
-from tokenmill.server.chat_utils import render_chat
-from tokenmill.server.engine_client import GenerationStream, SampleDelta
+from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
 from tokenmill.server.serving_engine import OpenAIServing
 from tokenmill.server.tool_parsers import TOOL_PARSERS, named_tool_schema, required_tools_schema, validate_tools
@@ -28,8 +27,9 @@ class OpenAIServingChat(OpenAIServing):
         state = self.state
         state.check_model(req.model)
         tool_mode, named_tool, tool_constraint = self.tool_choice(req)
-        prompt_text, prompt_ids = render_chat(state.tokenizer, req.messages, req.add_generation_prompt,
-                                              req.continue_final_message, req.chat_template_kwargs, req.tools)
+        prompt_text, prompt_ids = await state.render_chat(req.messages, req.add_generation_prompt,
+                                                          req.continue_final_message, req.chat_template_kwargs,
+                                                          req.tools)
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise ParamError("top_logprobs needs logprobs set to true", "top_logprobs")

@@ -11,28 +11,27 @@ from fastapi.responses import Response
 from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.sampling_params import ParamError
 from tokenmill.server import protocol as p
-from tokenmill.server.engine_client import GenerationStream, SampleDelta
+from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
 from tokenmill.server.serving_engine import OpenAIServing
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def prompts(self, prompt) -> list[list[int]]:
-        tok = self.state.tokenizer
+    async def prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [tok.encode(prompt, add_special_tokens=True)]
+            return await self.state.encode([prompt])
         if not prompt:
             raise ParamError("prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return [tok.encode(s, add_special_tokens=True) for s in prompt]
+            return await self.state.encode(prompt)
         return [list(ids) for ids in prompt]
 
     async def create_completion(self, req: p.CompletionRequest, raw: Request):
         state = self.state
         state.check_model(req.model)
-        prompts = self.prompts(req.prompt)
+        prompts = await self.prompts(req.prompt)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from tokenmill.server import protocol as p
-from tokenmill.server.engine_client import GenerationStream, SampleDelta
+from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.errors import sse_error_event
 from tokenmill.server.responses import DONE, ClientDisconnected, until_disconnected
 from tokenmill.server.server_state import ServerState
@@ -60,10 +60,6 @@ class OpenAIServing:
         if bad:
             raise ParamError(f"stop_token_ids: token id {bad[0]} is out of vocabulary (size {vocab})",
                              "stop_token_ids")
-        for name in ("seed", "top_k", "min_tokens", "priority", "thinking_token_budget"):
-            value = getattr(req, name)
-            if value is not None and not -2**63 <= value < 2**63:
-                raise ParamError(f"{name} must fit in 64 bits, got {value}", name)
         top_k = req.top_k or 0
         if top_k >= vocab:  # keeps every token, as no top-k at all does
             top_k = 0
@@ -98,13 +94,10 @@ class OpenAIServing:
         if fmt is not None and fmt.type != "text":
             if fmt.type == "json_object":
                 specs.append(StructuredOutputsParams(json_object=True))
-            elif fmt.type == "json_schema":
+            else:  # json_schema: the only other type the request model admits
                 if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                     raise ParamError("response_format json_schema needs json_schema.schema", "response_format")
                 specs.append(StructuredOutputsParams(json=fmt.json_schema.schema_))
-            else:
-                raise ParamError(f"response_format type must be text, json_object or json_schema, got {fmt.type!r}",
-                                 "response_format")
         for name, field_name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
                                  ("grammar", "guided_grammar")):
             if getattr(req, field_name) is not None:
@@ -175,10 +168,11 @@ class OpenAIServing:
 
     @staticmethod
     async def stream_events(stream: GenerationStream, first: bytes, events_for: Callable[[SampleDelta], list[bytes]],
-                            usage_event: Callable[[int], bytes] | None) -> AsyncIterator[bytes]:
+                            usage_event: Callable[[int], bytes] | None, done: bytes = DONE) -> AsyncIterator[bytes]:
         """A response's SSE body: `first`, then the events of each delta as the engine produces them (one write per
-        batch), then the usage chunk (given the number of generated tokens) when asked for, then [DONE]. A failure
-        after the status line went out ends the stream with an error event."""
+        batch), then the usage chunk (given the number of generated tokens) when asked for, then `done` ([DONE];
+        the Responses API sends nothing). A failure after the status line went out ends the stream with an error
+        event."""
         num_tokens = 0
         with stream:
             try:
@@ -192,11 +186,12 @@ class OpenAIServing:
                     if events:
                         yield b"".join(events)
             except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream, then end it
-                yield sse_error_event(e, stream.request_id) + DONE
+                yield sse_error_event(e, stream.request_id) + done
                 return
         if usage_event is not None:
             yield usage_event(num_tokens)
-        yield DONE
+        if done:
+            yield done
 
     async def run_to_completion(self, raw: Request, stream: GenerationStream, num_choices: int):
         try:

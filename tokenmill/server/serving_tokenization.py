@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from tokenmill.sampling_params import ParamError
 from tokenmill.server import protocol as p
-from tokenmill.server.chat_utils import render_chat
 from tokenmill.server.responses import json_response
 from tokenmill.server.server_state import ServerState
 
@@ -12,16 +11,16 @@ class OpenAIServingTokenization:
     def __init__(self, state: ServerState):
         self.state = state
 
-    def tokenize(self, req: p.TokenizeRequest):
+    async def tokenize(self, req: p.TokenizeRequest):
         state = self.state
         state.check_model(req.model)
         if req.messages is not None:
-            text, ids = render_chat(state.tokenizer, req.messages, req.add_generation_prompt,
-                                    req.continue_final_message, req.chat_template_kwargs, req.tools)
+            text, ids = await state.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                                req.chat_template_kwargs, req.tools)
             if req.add_special_tokens:
-                ids = state.tokenizer.encode(text, add_special_tokens=True)
+                [ids] = await state.encode([text])
         elif req.prompt is not None:
-            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            [ids] = await state.encode([req.prompt], add_special_tokens=req.add_special_tokens is not False)
         else:
             raise ParamError("either prompt or messages is required", "prompt")
         strs = [state.token_str(t) for t in ids] if req.return_token_strs else None

@@ -1,0 +1,236 @@
+"""/openapi.json tells the truth, and request fields are never silently ignored.
+
+schemathesis generates requests from the document (valid ones and invalid ones) for every operation and checks
+each answer against it: status, content type, headers, body schema (each event of a stream included), no 5xx,
+invalid data refused. It runs in-process on the fake engine (tests/fake_engine.py); the real `tokenmill serve`
+(marked slow) must serve the same document. The tables below hold the fields tokenmill refuses (OpenAI's, not
+implemented) and the bounds declared on the request models, in the words the server used before they were
+declared."""
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+import schemathesis
+from fake_engine import API_KEY, MODEL, InProcessServer
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import positive_data_acceptance
+from server_utils import server  # noqa: F401 - the fixture
+
+from tokenmill.models.paths import default_model_path
+from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tokenmill.server.protocol import INT64_MAX, INT64_MIN
+from tokenmill.tokenizer import load_tokenizer
+
+CHAT = [{"role": "user", "content": "Hi"}]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def app(tokenizer) -> InProcessServer:
+    return InProcessServer(tokenizer)
+
+
+async def _post(app: InProcessServer, path: str, body: dict) -> httpx.Response:
+    async with app.http() as client:
+        return await client.post(path, json=body)
+
+
+def _error(r: httpx.Response, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"} and r.json()["error"]["code"] == status
+    return r.json()["error"]
+
+
+# ---- fields tokenmill does not implement: 400 naming the field ----
+
+REFUSED = [
+    ("/v1/completions", {"suffix": " world"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"best_of": 1, "n": 2}, "best_of"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
+]
+# ... and their "off" values, which are served
+ACCEPTED = [
+    ("/v1/completions", {"suffix": None, "best_of": 2, "n": 2, "use_beam_search": False}),
+    ("/v1/chat/completions", {"modalities": ["text"], "functions": None, "audio": None}),
+]
+
+
+def _body(path: str, fields: dict) -> dict:
+    prompt = {"messages": CHAT} if "chat" in path else {"prompt": "Hi"}
+    return {"model": MODEL, **prompt, "max_tokens": 2, **fields}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path,fields,param", REFUSED, ids=[c[2] + str(i) for i, c in enumerate(REFUSED)])
+async def test_unsupported_fields_are_refused(app, path, fields, param):
+    err = _error(await _post(app, path, _body(path, fields)))
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert param in err["message"] and "not supported" in err["message"], err
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path,fields", ACCEPTED)
+async def test_unsupported_fields_off_are_served(app, path, fields):
+    r = await _post(app, path, _body(path, fields))
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.anyio
+async def test_unknown_fields_are_served_and_logged_once(app, caplog):
+    with caplog.at_level(logging.WARNING, logger="tokenmill.server"):
+        r = await _post(app, "/v1/chat/completions", _body("chat", {"frobnicate": 1, "zap": {"a": 1}}))
+    assert r.status_code == 200, r.text
+    ignored = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert len(ignored) == 1 and "frobnicate" in ignored[0] and "zap" in ignored[0], ignored
+
+
+# ---- bounds declared on the fields: the server's own words and param ----
+
+BOUNDS = [
+    ({"top_k": -5}, "top_k", "top_k must be at least -1, got -5"),
+    ({"min_p": 1.5}, "min_p", "min_p must be in [0, 1], got 1.5"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be positive, got 0"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty must be in [-2, 2], got -3"),
+    ({"seed": -2**64}, "seed", "seed must fit in 64 bits"),
+    ({"min_tokens": -1}, "min_tokens", "min_tokens must be non-negative, got -1"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "at most 100"),
+    ({"logit_bias": {"x5": 1}}, "logit_bias", "logit_bias"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+    ({"n": "2"}, "n", "valid integer"),  # strict: the schema says integer
+    ({"echo": 1}, "echo", "valid boolean"),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fields,param,fragment", BOUNDS, ids=[c[1] + str(i) for i, c in enumerate(BOUNDS)])
+async def test_bounds(app, fields, param, fragment):
+    err = _error(await _post(app, "/v1/completions", _body("", fields)))
+    assert err["param"] == param and fragment in err["message"], err
+
+
+@pytest.mark.anyio
+async def test_integral_floats_are_integers(app):
+    """2.0 is an integer to JSON Schema (so to /openapi.json); "2" is not."""
+    r = await _post(app, "/v1/completions", _body("", {"max_tokens": 2.0, "n": 1.0, "seed": -3.0}))
+    assert r.status_code == 200, r.text
+
+
+# ---- the document itself ----
+
+def _operations(doc: dict):
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            yield path, method, op
+
+
+def test_openapi_documents_every_status(app):
+    doc = app.root.inner.openapi()
+    schemas = doc["components"]["schemas"]
+    for path, method, op in _operations(doc):
+        statuses = set(op["responses"])
+        assert "422" not in statuses, path  # validation errors are 400
+        assert "200" in statuses and (path == "/health/live" or "503" in statuses), (path, statuses)
+        if "requestBody" in op:
+            assert {"400", "413"} <= statuses, (path, statuses)
+        assert ("401" in statuses) == path.startswith("/v1/"), (path, statuses)  # InProcessServer has an API key
+        for status, response in op["responses"].items():
+            if status != "200" and not path.startswith("/health"):  # LifecycleApp's 503 is plain text
+                assert response["content"]["application/json"]["schema"] == {
+                    "$ref": "#/components/schemas/ErrorResponse"}, (path, status)
+    ops = {(path, method): op for path, method, op in _operations(doc)}
+    content = {key: op["responses"]["200"]["content"] for key, op in ops.items()}
+    assert set(content["/v1/chat/completions", "post"]) == {"application/json", "text/event-stream"}
+    assert set(content["/v1/completions", "post"]) == {"application/json", "text/event-stream"}
+    assert set(content["/metrics", "get"]) == {METRICS_CONTENT_TYPE}
+    assert set(content["/dashboard", "get"]) == {"text/html"}
+    for path in ("/health", "/health/ready", "/health/live"):
+        assert set(content[path, "get"]) == {"text/plain"}
+    assert content["/v1/models", "get"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ModelList"}
+    assert "Retry-After" in ops["/v1/completions", "post"]["responses"]["503"]["headers"]
+    # every $ref resolves; request models and response Structs are both there
+    refs = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                refs.add(node["$ref"].rsplit("/", 1)[-1])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(doc)
+    assert refs <= set(schemas), refs - set(schemas)
+    assert {"ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk", "ErrorResponse"} <= set(schemas)
+    temperature = schemas["CompletionRequest"]["properties"]["temperature"]["anyOf"][0]
+    assert temperature == {"type": "number", "minimum": 0.0}
+
+
+# ---- schemathesis ----
+
+# Refusals of schema-valid requests that JSON Schema cannot state, by the param the 400 names: they depend on the
+# server (context length, --max-n, the vocabulary, max_logprobs, --scheduling-policy, the reasoning and tool
+# parsers, the chat template) or on other fields (min_tokens <= max_tokens, top_logprobs needs logprobs, one
+# structured-output constraint, a schema or regex that compiles, tool_choice needs tools, best_of == n).
+CHECKED_AT_RUN_TIME = {
+    "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs", "logit_bias",
+    "stop_token_ids", "min_tokens", "priority", "thinking_token_budget", "tools", "tool_choice", "response_format",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "best_of",
+    "continue_final_message", "tokens", "input", "previous_response_id", "text",
+}
+
+
+def refused_only_at_run_time(ctx, response, case) -> bool | None:
+    """positive_data_acceptance, for an LLM API: a schema-valid request may be refused (400) only by a check the
+    schema cannot state; a 400 naming any other field means the schema promises what the server refuses."""
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive or response.status_code != 400:
+        return None
+    param = response.json()["error"]["param"]
+    value = case.body.get(param) if isinstance(case.body, dict) else None
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        return None  # schemathesis computes bounds in doubles: its "valid" integers near 2**63 can be past them
+    assert param in CHECKED_AT_RUN_TIME, f"schema-valid data refused: {response.json()['error']}"
+    return None
+
+
+# Excluded: the built-in positive_data_acceptance (replaced by refused_only_at_run_time, above). The stateful
+# checks (use_after_free, ensure_resource_availability, object_level_authorization) find no links between these
+# operations and pass; unsupported_method and the rest run as they are.
+EXCLUDED = [positive_data_acceptance]
+
+
+# Built at import: schemathesis's fixture-based loader (schemathesis.pytest.from_fixture) does not run on pytest 9
+# (it sets Node._nodeid, which pytest 9 no longer has). The tokenizer loads in about a second.
+IN_PROCESS = InProcessServer(load_tokenizer(default_model_path()))
+IN_PROCESS.client.max_generated_tokens = 64  # the fake engine: a max_tokens in the thousands would take seconds
+in_process = schemathesis.openapi.from_asgi("/openapi.json", IN_PROCESS.root)
+
+
+@in_process.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_schemathesis_in_process(case):
+    case.call_and_validate(headers=AUTH, excluded_checks=EXCLUDED, additional_checks=[refused_only_at_run_time])
+
+
+# Against the real engine, schemathesis is too slow for the suite: its valid chat and completion requests carry
+# prompts of thousands of tokens (fuzzed messages), whose prefill on 2 CPU cores takes tens of seconds each, so that
+# even 3 examples per operation with generation capped at 8 tokens ran for over 3 minutes. The in-process run above
+# covers the HTTP layer; the real server is held to the same document here (the engine's own refusals are tested in
+# test_server_errors.py).
+def test_real_server_serves_the_same_document(server):
+    assert httpx.get(server.url_for("/openapi.json")).json() == IN_PROCESS.root.inner.openapi()

@@ -1,0 +1,165 @@
+"""The samples of one API request, as the server reads them: a GenerationStream.
+
+It fans the request out into engine requests (n samples per prompt), detokenizes their tokens, applies stop
+strings (aborting the engine request on a match), and yields per-sample deltas. Leaving its `with` block aborts
+whatever still runs in the engine, so a client that goes away frees its KV blocks at once; fail() does the same
+for a stream the server gives up on (its engine died, or its client stopped reading)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.messages import EngineCoreOutput, RequestError, TokenLogprobs
+from tokenmill.sampling_params import ParamError, SamplingParams, child_params
+from tokenmill.server.errors import EngineDeadError, StreamStalled
+from tokenmill.server.tracing import RequestTrace
+
+if TYPE_CHECKING:
+    from tokenmill.server.engine_client import EngineClient
+
+
+@dataclass
+class SampleDelta:
+    """What one sample (one choice) gained since the last delta."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    prompt_logprobs: list[TokenLogprobs | None] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _Sample:
+    index: int
+    engine_request_id: str
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class GenerationStream:
+    """The samples of one API request; choice index = prompt index * n + sample index."""
+    client: EngineClient
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    tokenizer: object
+    priority: int = 0
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    samples: dict[str, _Sample] = field(default_factory=dict)
+    unfinished: set[str] = field(default_factory=set)
+    trace: RequestTrace | None = None  # filled in as outputs arrive; handed to on_close
+    on_close: Callable[[GenerationStream], None] | None = None
+    last_read: float = field(default_factory=time.monotonic)  # when the reader last asked for output
+    error: Exception | None = None  # set by fail(): raised to the reader
+
+    def __post_init__(self):
+        n = self.params.n
+        for p, prompt in enumerate(self.prompts):
+            for i in range(n):
+                params = child_params(self.params, i)
+                engine_id = f"{self.request_id}-{p}-{i}"
+                detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt)
+                self.samples[engine_id] = _Sample(p * n + i, engine_id, params, detokenizer)
+
+    def __enter__(self) -> GenerationStream:
+        eos = self.tokenizer.eos_token_id
+        try:
+            for engine_id, sample in self.samples.items():
+                self.client.add_request(engine_id, self.prompts[sample.index // self.params.n], sample.params, eos,
+                                        self.priority, self.queue)
+                self.unfinished.add(engine_id)
+        except BaseException:
+            self.close()
+            raise
+        self.client.stream_opened(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Aborts the samples still running in the engine."""
+        self.client.stream_closed(self)
+        if self.unfinished:
+            self.client.abort(sorted(self.unfinished))
+            self.unfinished.clear()
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close(self)
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    def fail(self, error: Exception) -> None:
+        """Ends the stream: aborts its engine requests now, and its reader gets `error`."""
+        self.error = error
+        self.close()
+        self.queue.put_nowait(error)  # wakes a reader waiting for output
+
+    async def __anext__(self) -> list[SampleDelta]:
+        """The deltas of all samples that moved since the last call (several engine steps if we fell behind)."""
+        self.last_read = time.monotonic()
+        if self.error is not None:
+            raise self.error
+        if not self.unfinished:
+            raise StopAsyncIteration
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        deltas: dict[str, SampleDelta] = {}
+        for item in items:
+            if isinstance(item, (EngineDeadError, StreamStalled)):
+                self.unfinished.clear()
+                raise item
+            if isinstance(item, RequestError):
+                self.close()
+                raise ParamError(item.message, item.param)
+            if item.request_id in self.unfinished:
+                self._apply(item, deltas)
+        for engine_id, delta in deltas.items():
+            sample = self.samples[engine_id]
+            delta.text = sample.detokenizer.delta(delta.finish_reason is not None)
+        return sorted(deltas.values(), key=lambda d: d.index)
+
+    def _apply(self, out: EngineCoreOutput, deltas: dict[str, SampleDelta]) -> None:
+        sample = self.samples[out.request_id]
+        if self.trace is not None:
+            self._time(out)
+        delta = deltas.get(out.request_id)
+        if delta is None:
+            delta = deltas[out.request_id] = SampleDelta(sample.index, "", [], None, None, None)
+        delta.token_ids.extend(out.new_token_ids)
+        sample.num_tokens += len(out.new_token_ids)
+        if out.logprobs:
+            delta.logprobs = (delta.logprobs or []) + list(out.logprobs)
+        if out.prompt_logprobs:
+            delta.prompt_logprobs = (delta.prompt_logprobs or []) + list(out.prompt_logprobs)
+        finish, stop_reason = sample.detokenizer.finish(out.new_token_ids, out.finish_reason,
+                                                         sample.params.stop_token_ids)
+        if finish is None:
+            return
+        if out.finish_reason is None:
+            self.client.abort([out.request_id], finish)
+        self.unfinished.discard(out.request_id)
+        sample.finish_reason = delta.finish_reason = finish
+        sample.stop_reason = stop_reason
+        delta.stop_reason = sample.stop_reason
+
+    def _time(self, out: EngineCoreOutput) -> None:
+        """The request's span covers all its samples: earliest arrival, scheduling and first token, last finish."""
+        t = self.trace
+        for name, value in (("arrival", out.arrival_time), ("first_scheduled", out.first_scheduled_time),
+                            ("first_token", out.first_token_time)):
+            if value and (not getattr(t, name) or value < getattr(t, name)):
+                setattr(t, name, value)
+        t.finished = max(t.finished, out.finished_time or time.monotonic())

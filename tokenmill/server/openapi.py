@@ -1,0 +1,133 @@
+"""/openapi.json as the server really answers: every status, media type and response schema, not FastAPI's guess.
+
+FastAPI documents the request bodies (the pydantic models, bounds included) but for responses only "200: any
+JSON" and a 422 the server never sends (validation errors are 400: errors.py). Here each operation gets the
+statuses it returns, with OpenAI's error object; the 200 bodies are the msgspec Structs the handlers encode, their
+schemas merged into the components so that every $ref resolves; /health* are documented although LifecycleApp
+answers them before FastAPI; and /v1/* carry the bearer scheme when the server has an API key.
+tests/test_openapi_and_fields.py holds the server to this document with schemathesis."""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from tokenmill.server import protocol as p
+from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+
+JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
+RESPONSE_STRUCTS = (p.ErrorResponse, p.ModelList, p.CompletionResponse, p.ChatCompletionResponse,
+                    p.ChatCompletionChunk, p.ChatCompletionUsageChunk, p.TokenizeResponse, p.DetokenizeResponse)
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _events(*chunks: str) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1 describes a stream event by event): a JSON chunk, the error object a
+    stream that fails after its 200 ends with, or the final [DONE]."""
+    payload = {"type": "string", "contentMediaType": JSON,
+               "contentSchema": {"anyOf": [_ref(name) for name in (*chunks, "ErrorResponse")]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, payload]}}}
+
+
+STRING = {"type": "string"}
+VERSION = {"type": "object", "required": ["version"], "properties": {"version": STRING}}
+ERRORS = {
+    400: "Invalid request; `error.param` names the field.",
+    401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
+    404: "The model does not exist.",
+    413: "The request body is larger than --max-request-body-bytes.",
+    503: "Overloaded (past --max-num-queued-reqs/-tokens), loading, shutting down, or the engine is dead. Retry "
+         "after Retry-After seconds, when given.",
+}
+# (path, method) → the media types and schemas of its 200 response. Its error statuses follow from what it takes
+# (_error_statuses), so that a route added elsewhere gets them too.
+OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
+    ("/v1/completions", "post"): {JSON: _ref("CompletionResponse"), SSE: _events("CompletionResponse")},
+    ("/v1/chat/completions", "post"): {JSON: _ref("ChatCompletionResponse"),
+                                       SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk")},
+    ("/v1/models", "get"): {JSON: _ref("ModelList")},
+    ("/tokenize", "post"): {JSON: _ref("TokenizeResponse")},
+    ("/detokenize", "post"): {JSON: _ref("DetokenizeResponse")},
+    ("/metrics", "get"): {METRICS_CONTENT_TYPE: STRING},  # the Prometheus text exposition format
+    ("/version", "get"): {JSON: VERSION},
+    ("/dashboard", "get"): {"text/html": STRING},
+}
+# Answered by LifecycleApp before FastAPI (lifecycle.py), in plain text: summary, and whether it can be 503
+HEALTH = {
+    "/health": ("Ready: 200 when a request now would be served (as vLLM's /health).", True),
+    "/health/ready": ("Ready: the same as /health.", True),
+    "/health/live": ("Alive: 200 while the process answers, loading included.", False),
+}
+
+
+def install_openapi(app: FastAPI, api_key: bool) -> None:
+    """Replaces app.openapi (what /openapi.json serves); `api_key`: the server requires one on /v1/*."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app, api_key)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):  # only FastAPI's 422 uses them
+        schemas.pop(name, None)
+    _, structs = msgspec.json.schema_components(RESPONSE_STRUCTS, ref_template="#/components/schemas/{name}")
+    clash = schemas.keys() & structs.keys()
+    if clash:  # one name for a request model and a response Struct: a $ref would point at the wrong one
+        raise RuntimeError(f"request and response schemas share the names {sorted(clash)}")
+    schemas.update(structs)
+    for path, (summary, may_fail) in HEALTH.items():
+        responses = {"200": _plain("Yes.")} | ({"503": _plain("No: the phase, or why not.")} if may_fail else {})
+        doc["paths"][path] = {"get": {"summary": summary, "operationId": path.strip("/").replace("/", "_"),
+                                      "responses": responses}}
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            if path in HEALTH:
+                continue
+            responses = op["responses"]
+            responses.pop("422", None)
+            content = OPERATIONS.get((path, method))
+            if content is not None:
+                responses["200"] = {"description": "OK", "content": {t: {"schema": s} for t, s in content.items()}}
+            if api_key and path.startswith("/v1/"):
+                op["security"] = [{"apiKey": []}]
+            for status in _error_statuses(path, op, schemas, api_key):
+                responses[str(status)] = _error(status)
+    if api_key:
+        doc["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    return doc
+
+
+def _error_statuses(path: str, op: dict[str, Any], schemas: dict[str, Any], api_key: bool) -> list[int]:
+    statuses = {503}  # any route: loading, draining (lifecycle.py), or overloaded or dead when it needs the engine
+    body = op.get("requestBody", {}).get("content", {}).get(JSON, {}).get("schema", {}).get("$ref", "")
+    if body:
+        statuses |= {400, 413}
+        if "model" in schemas[body.rsplit("/", 1)[-1]].get("properties", {}):
+            statuses.add(404)  # no such model
+    if "{" in path:
+        statuses.add(404)  # no such object
+    if api_key and path.startswith("/v1/"):
+        statuses.add(401)
+    return sorted(statuses)
+
+
+def _plain(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {TEXT: {"schema": STRING}}}
+
+
+def _error(status: int) -> dict[str, Any]:
+    response = {"description": ERRORS[status], "content": {JSON: {"schema": _ref("ErrorResponse")}}}
+    if status == 503:
+        response["headers"] = {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}
+    return response

@@ -1,0 +1,363 @@
+"""/v1/responses, OpenAI's Responses API: input items → the chat template → the engine → output items (messages,
+function calls, reasoning), whole or as a stream of typed events; stored responses for GET and for
+previous_response_id.
+
+It is chat underneath: the input becomes chat messages, tools and tool_choice go through chat's tool choice (the
+same grammars and parsers), and the model's text through a ChatOutputParser. What differs is the shape of the
+output: OutputAssembler turns the parser's deltas into items, and, when streaming, into the events that build
+them, so that a streamed response reassembles to exactly the items of a plain one."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+
+import msgspec
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import Response
+
+from tokenmill.reasoning import ReasoningSplitter
+from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from tokenmill.server import protocol as p
+from tokenmill.server import responses_protocol as rp
+from tokenmill.server.chat_output import ChatOutputParser
+from tokenmill.server.chat_utils import render_chat
+from tokenmill.server.generation_stream import GenerationStream, SampleDelta
+from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
+from tokenmill.server.server_state import ServerState
+from tokenmill.server.serving_chat import OpenAIServingChat
+from tokenmill.server.serving_engine import OpenAIServing
+from tokenmill.server.tool_parsers import TOOL_PARSERS
+
+MAX_STORED_RESPONSES = 1000  # store=true keeps the most recently used ones in memory, for GET and follow-ups
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def sse_frame(event) -> bytes:
+    """OpenAI's framing of a Responses stream: the event type in an `event:` line, then its JSON."""
+    return b"event: " + event.type.encode() + b"\n" + sse_event(event)
+
+
+# ============================== request → chat ==============================
+
+def _text_parts(content: str | list[rp.InputContentPart] | None, where: str) -> str | list[p.TextContentPart]:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if part.type not in TEXT_PART_TYPES or part.text is None:
+            raise ParamError(f"{where}.content[{j}]: only text parts ({', '.join(TEXT_PART_TYPES[:2])}) are "
+                             f"supported, got {part.type!r}", "input")
+        parts.append(p.TextContentPart(type="text", text=part.text))
+    return parts
+
+
+def to_chat_messages(items: list[rp.InputItem]) -> list[p.ChatMessage]:
+    """Input items → chat messages: a function call joins the assistant message before it (one turn, several
+    calls), its output becomes a tool message. Reasoning items are dropped: chat templates drop past reasoning."""
+    out: list[p.ChatMessage] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if item.type == "message":
+            if item.role not in MESSAGE_ROLES:
+                raise ParamError(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {item.role!r}", "input")
+            out.append(p.ChatMessage(role=item.role, content=_text_parts(item.content, where)))
+        elif item.type == "function_call":
+            if item.call_id is None or item.name is None:
+                raise ParamError(f"{where}: a function_call needs call_id and name", "input")
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+            if out and out[-1].role == "assistant" and out[-1].tool_calls is not None:
+                out[-1].tool_calls.append(call)
+            else:
+                out.append(p.ChatMessage(role="assistant", tool_calls=[call]))
+        elif item.type == "function_call_output":
+            if item.call_id is None:
+                raise ParamError(f"{where}: a function_call_output needs call_id", "input")
+            out.append(p.ChatMessage(role="tool", tool_call_id=item.call_id, content=_text_parts(item.output, where)))
+        elif item.type != "reasoning":
+            raise ParamError(f"{where}.type {item.type!r} is not supported; expected message, function_call, "
+                             "function_call_output or reasoning", "input")
+    return out
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """The Responses API's flat function tools → chat's nested {"type": "function", "function": {...}}."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise ParamError(f"tools[{i}]: tools of type {tool.get('type')!r} are not supported; only function tools "
+                             "are", "tools")
+        if not isinstance(tool.get("name"), str):
+            raise ParamError(f'tools[{i}] must be {{"type": "function", "name": ...}}', "tools")
+        fn = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise ParamError('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+                         "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+# ============================== deltas → items and events ==============================
+
+class OutputAssembler:
+    """The ChatOutputParser's deltas → the response's output items and, when streaming, the SSE events that build
+    them (numbered in order). An item stays open until another kind starts or the output ends. Whitespace before
+    any visible text waits: a message opens with its first visible text, so that the blank line a model writes
+    before a tool call is no message of its own."""
+
+    def __init__(self, streaming: bool):
+        self.streaming = streaming
+        self.items: list[rp.OutputMessage | rp.FunctionCallItem | rp.ReasoningItem] = []
+        self.open: rp.OutputMessage | rp.FunctionCallItem | rp.ReasoningItem | None = None
+        self.pending = ""
+        self.sequence_number = 0
+        self.events: list[bytes] = []
+
+    def emit(self, event_type: type, name: str, *fields) -> None:
+        """Encoded at once: the items in an event are mutated afterwards."""
+        if self.streaming:
+            self.events.append(sse_frame(event_type(name, self.sequence_number, *fields)))
+            self.sequence_number += 1
+
+    def take_events(self) -> list[bytes]:
+        events, self.events = self.events, []
+        return events
+
+    def add(self, deltas: list[p.DeltaMessage]) -> None:
+        for d in deltas:
+            if d.reasoning_content:
+                if not isinstance(self.open, rp.ReasoningItem):
+                    self._open(rp.ReasoningItem(id=new_id("rs"), status="in_progress"))
+                self._append_text(d.reasoning_content)
+            if d.content:
+                self._content(d.content)
+            for call in d.tool_calls or []:
+                if call.id is not None:  # a call's first delta; a named function's arguments then stream on
+                    self._open(rp.FunctionCallItem(id=new_id("fc"), call_id=new_id("call"), name=call.function.name,
+                                                   arguments="", status="in_progress"))
+                if call.function.arguments:
+                    self.open.arguments += call.function.arguments
+                    self.emit(rp.ArgumentsDeltaEvent, "response.function_call_arguments.delta", self.open.id,
+                              len(self.items) - 1, call.function.arguments)
+
+    def finish(self, incomplete: bool) -> None:
+        """Closes the last item ("incomplete" when cut by max_output_tokens). An output with nothing visible is
+        still one message, so that output_text is a string."""
+        if not self.items:
+            text, self.pending = self.pending, ""
+            self._open(rp.OutputMessage(id=new_id("msg"), status="in_progress"))
+            if text:
+                self._append_text(text)
+        self._close("incomplete" if incomplete else "completed")
+
+    def _content(self, text: str) -> None:
+        if not isinstance(self.open, rp.OutputMessage):
+            self.pending += text
+            if not self.pending.strip():
+                return
+            text, self.pending = self.pending, ""
+            self._open(rp.OutputMessage(id=new_id("msg"), status="in_progress"))
+        self._append_text(text)
+
+    def _open(self, item) -> None:
+        self._close("completed")
+        self.items.append(item)
+        self.open = item
+        index = len(self.items) - 1
+        self.emit(rp.OutputItemEvent, "response.output_item.added", index, item)
+        if not isinstance(item, rp.FunctionCallItem):
+            part = rp.OutputText("") if isinstance(item, rp.OutputMessage) else rp.ReasoningText("")
+            item.content.append(part)
+            self.emit(rp.ContentPartEvent, "response.content_part.added", item.id, index, 0, part)
+
+    @staticmethod
+    def _text_events(item) -> tuple[str, list | None]:
+        """The event-name stem of an item's text, and the logprobs its events carry (output text only)."""
+        return ("output_text", []) if isinstance(item, rp.OutputMessage) else ("reasoning_text", None)
+
+    def _append_text(self, text: str) -> None:
+        item = self.open
+        item.content[0].text += text
+        kind, logprobs = self._text_events(item)
+        self.emit(rp.TextDeltaEvent, f"response.{kind}.delta", item.id, len(self.items) - 1, 0, text, logprobs)
+
+    def _close(self, status: str) -> None:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        item.status = status
+        index = len(self.items) - 1
+        if isinstance(item, rp.FunctionCallItem):
+            self.emit(rp.ArgumentsDoneEvent, "response.function_call_arguments.done", item.id, index, item.name,
+                      item.arguments)
+        else:
+            part, (kind, logprobs) = item.content[0], self._text_events(item)
+            self.emit(rp.TextDoneEvent, f"response.{kind}.done", item.id, index, 0, part.text, logprobs)
+            self.emit(rp.ContentPartEvent, "response.content_part.done", item.id, index, 0, part)
+        self.emit(rp.OutputItemEvent, "response.output_item.done", index, item)
+
+
+# ============================== serving ==============================
+
+class OpenAIServingResponses(OpenAIServing):
+    def __init__(self, state: ServerState):
+        super().__init__(state)
+        self.chat = OpenAIServingChat(state)  # for its tool choice
+        # response id → (the response, its conversation without instructions: what previous_response_id continues)
+        self.stored: OrderedDict[str, tuple[rp.ResponseObject, list[p.ChatMessage]]] = OrderedDict()
+
+    async def create_response(self, req: rp.ResponsesRequest, raw: Request):
+        state = self.state
+        state.check_model(req.model)
+        if req.n != 1:
+            raise ParamError(f"a response has one output: n must be 1, got {req.n}", "n")
+        items = [rp.InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+        conversation = self.previous_conversation(req.previous_response_id) + to_chat_messages(items)
+        messages = [p.ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+        messages += conversation
+        chat_req = p.ChatCompletionRequest(messages=messages, tools=chat_tools(req.tools),
+                                           tool_choice=chat_tool_choice(req.tool_choice),
+                                           parallel_tool_calls=req.parallel_tool_calls)
+        tool_mode, named_tool, tool_constraint = self.chat.tool_choice(chat_req)
+        try:
+            prompt_text, prompt_ids = render_chat(state.tokenizer, messages, tools=chat_req.tools)
+        except ParamError as e:
+            if e.param != "messages":
+                raise
+            raise ParamError(str(e), "input") from None
+        params = self.params(req, tool_constraint)
+        stream = self.start(new_id("resp"), [prompt_ids], params, req.priority, raw, "responses")
+        echo = self.echo(req, stream.request_id, params)
+        splitter = ReasoningSplitter(state.reasoning, prompt_text) if state.reasoning is not None else None
+        tool_parser = TOOL_PARSERS[state.config.auto_tool_call_parser]() if tool_mode == "auto" else None
+        parser = ChatOutputParser(splitter, True, tool_mode, tool_parser, named_tool)
+        if req.stream:
+            return EventStreamResponse(self.events(stream, echo, prompt_ids, parser, conversation, req.store))
+        choices = await self.run_to_completion(raw, stream, 1)
+        if isinstance(choices, Response):
+            return choices
+        choice, assembler = choices[0], OutputAssembler(streaming=False)
+        assembler.add(parser.feed(choice.text))
+        assembler.add(parser.finish())
+        assembler.finish(choice.finish_reason == "length")
+        return json_response(self.finished(echo, assembler, choice.finish_reason, prompt_ids, choice.num_tokens,
+                                           conversation, req.store))
+
+    def retrieve(self, response_id: str) -> Response:
+        stored = self.stored.get(response_id)
+        if stored is None:
+            raise HTTPException(404, f"Response with id '{response_id}' not found.")
+        self.stored.move_to_end(response_id)
+        return json_response(stored[0])
+
+    def previous_conversation(self, response_id: str | None) -> list[p.ChatMessage]:
+        """previous_response_id: the earlier turns (its instructions are not carried over, as OpenAI does)."""
+        if response_id is None:
+            return []
+        stored = self.stored.get(response_id)
+        if stored is None:
+            raise HTTPException(404, f"Previous response with id '{response_id}' not found.")
+        self.stored.move_to_end(response_id)
+        return list(stored[1])
+
+    def params(self, req: rp.ResponsesRequest, tool_constraint: StructuredOutputsParams | None) -> SamplingParams:
+        """text.format is the Responses API's response_format: passed on as one, and its errors name `text`."""
+        fmt = req.text.format if req.text is not None else None
+        if fmt is not None and fmt.type != "text":
+            if fmt.type not in ("json_schema", "json_object"):
+                raise ParamError(f"text.format.type must be text, json_schema or json_object, got {fmt.type!r}", "text")
+            if fmt.type == "json_schema" and fmt.schema_ is None:
+                raise ParamError("text.format of type json_schema needs a schema", "text")
+            if req.response_format is not None:
+                raise ParamError("give text.format or response_format, not both", "text")
+            schema = p.JsonSchemaFormat(name=fmt.name, schema=fmt.schema_) if fmt.type == "json_schema" else None
+            req.response_format = p.ResponseFormat(type=fmt.type, json_schema=schema)
+        try:
+            return self.sampling_params(req, req.max_output_tokens, None, tool_constraint=tool_constraint)
+        except ParamError as e:
+            if fmt is None or e.param != "response_format":
+                raise
+            raise ParamError(str(e), "text") from None
+
+    def echo(self, req: rp.ResponsesRequest, response_id: str, params: SamplingParams) -> dict:
+        """The fields every state of the response shares: its id and the request's settings."""
+        fmt = req.text.format if req.text is not None and req.text.format is not None else rp.TextFormat()
+        return dict(id=response_id, created_at=int(time.time()), model=self.state.model_names[0],
+                    parallel_tool_calls=req.parallel_tool_calls, tool_choice=req.tool_choice or "auto",
+                    tools=req.tools or [], text={"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+                    temperature=params.temperature, top_p=params.top_p, store=req.store,
+                    instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+                    previous_response_id=req.previous_response_id, reasoning=req.reasoning,
+                    metadata=req.metadata or {}, user=req.user)
+
+    def finished(self, echo: dict, assembler: OutputAssembler, finish_reason: str | None, prompt_ids: list[int],
+                 num_tokens: int, conversation: list[p.ChatMessage], store: bool) -> rp.ResponseObject:
+        """The final response, stored when asked for. Reasoning tokens are counted by re-encoding the reasoning
+        text (the engine does not tell them apart)."""
+        incomplete = finish_reason == "length"
+        reasoning = "".join(part.text for item in assembler.items if isinstance(item, rp.ReasoningItem)
+                            for part in item.content)
+        reasoning_tokens = len(self.state.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        usage = rp.ResponseUsage(len(prompt_ids), num_tokens, len(prompt_ids) + num_tokens, rp.InputTokensDetails(),
+                                 rp.OutputTokensDetails(min(reasoning_tokens, num_tokens)))
+        response = rp.ResponseObject(
+            **echo, status="incomplete" if incomplete else "completed", output=assembler.items, usage=usage,
+            completed_at=None if incomplete else int(time.time()),
+            incomplete_details=rp.IncompleteDetails("max_output_tokens") if incomplete else None)
+        if store:
+            outputs = [rp.InputItem.model_validate(item) for item in msgspec.to_builtins(assembler.items)]
+            self.stored[response.id] = (response, conversation + to_chat_messages(outputs))
+            while len(self.stored) > MAX_STORED_RESPONSES:
+                self.stored.popitem(last=False)
+        return response
+
+    def events(self, stream: GenerationStream, echo: dict, prompt_ids: list[int], parser: ChatOutputParser,
+               conversation: list[p.ChatMessage], store: bool):
+        assembler = OutputAssembler(streaming=True)
+        for name in ("response.created", "response.in_progress"):
+            assembler.emit(rp.LifecycleEvent, name, rp.ResponseObject(**echo, status="in_progress", output=[]))
+        first = b"".join(assembler.take_events())
+        finish_reason = None
+
+        def events_for(d: SampleDelta) -> list[bytes]:
+            nonlocal finish_reason
+            if d.text:
+                assembler.add(parser.feed(d.text))
+            if d.finish_reason is not None:
+                finish_reason = d.finish_reason
+                assembler.add(parser.finish())
+                assembler.finish(finish_reason == "length")
+            return assembler.take_events()
+
+        def last_event(num_tokens: int) -> bytes:
+            response = self.finished(echo, assembler, finish_reason, prompt_ids, num_tokens, conversation, store)
+            assembler.emit(rp.LifecycleEvent, f"response.{response.status}", response)
+            return b"".join(assembler.take_events())
+
+        return self.stream_events(stream, first, events_for, last_event, done=b"")
+
+
+def add_responses_routes(app: FastAPI, state: ServerState) -> None:
+    responses = OpenAIServingResponses(state)
+
+    @app.post("/v1/responses")
+    async def create_response(body: rp.ResponsesRequest, raw: Request):
+        return await responses.create_response(body, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
