@@ -17,6 +17,8 @@ from fake_engine import API_KEY, CONTINUATION, MODEL, InProcessServer
 pytestmark = pytest.mark.anyio
 
 CHAT = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 @pytest.fixture
@@ -88,6 +90,19 @@ CHAT_CASES = [
     ({"priority": 3}, "priority", "priority"),
     ({"tool_choice": "required"}, "tool_choice", "tools"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    # tools and reasoning (the live versions are in test_tool_calling.py)
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_date"}}}, "tool_choice",
+     "get_date"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools", "nonsense"),
+    ({"tools": [TOOL]}, "tool_choice", "enable-auto-tool-choice"),
+    ({"thinking_token_budget": 10**30}, "thinking_token_budget", "64 bits"),
+    ({"thinking_token_budget": 4}, "thinking_token_budget", "reasoning-parser"),
+    # structured output (the live versions are in test_structured_output.py)
+    ({"guided_regex": "a("}, "guided_regex", "regex"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "response_format", "one structured-output constraint"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format", "objectx"),
 ]
 
 

@@ -21,7 +21,6 @@ from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutp
 from tokenmill.server import protocol as p
 from tokenmill.server import responses_protocol as rp
 from tokenmill.server.chat_output import ChatOutputParser
-from tokenmill.server.chat_utils import render_chat
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
 from tokenmill.server.server_state import ServerState
@@ -234,7 +233,7 @@ class OpenAIServingResponses(OpenAIServing):
                                            parallel_tool_calls=req.parallel_tool_calls)
         tool_mode, named_tool, tool_constraint = self.chat.tool_choice(chat_req)
         try:
-            prompt_text, prompt_ids = render_chat(state.tokenizer, messages, tools=chat_req.tools)
+            prompt_text, prompt_ids = await state.render_chat(messages, True, False, None, chat_req.tools)
         except ParamError as e:
             if e.param != "messages":
                 raise
