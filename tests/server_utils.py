@@ -33,7 +33,8 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, extra_args: list[str] = (), env: dict[str, str] | None = None):
+    def __init__(self, extra_args: list[str] = (), env: dict[str, str] | None = None, model: str = MODEL,
+                 server_args: list[str] = SERVER_ARGS):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.broken = False
@@ -41,7 +42,7 @@ class RemoteServer:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-serve-", suffix=".log", delete=False)
         exe = os.path.join(os.path.dirname(sys.executable), "tokenmill")
         cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tokenmill.cli"]
-        cmd += ["serve", MODEL, "--host", "127.0.0.1", "--port", str(self.port), *SERVER_ARGS, *extra_args]
+        cmd += ["serve", model, "--host", "127.0.0.1", "--port", str(self.port), *server_args, *extra_args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "TOKENMILL_NO_PROGRESS": "1", **(env or {})})
         self._wait_ready()

@@ -30,8 +30,8 @@ def from_kernel_layout(k_kernel, v_kernel):
     return k_kernel.permute(0, 3, 1, 2), v_kernel.permute(0, 2, 1, 3)
 
 
-def reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale):
-    """float64, one sequence at a time, from the blocks the table names."""
+def reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window=None):
+    """float64, one sequence at a time, from the blocks the table names; window: keys pos - window + 1..pos."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[2]
     for s in range(len(seq_lens)):
@@ -44,6 +44,8 @@ def reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale):
         scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), k) * scale
         qpos = torch.arange(ctx - (b - a), ctx)[:, None]
         scores = scores.masked_fill(torch.arange(ctx)[None, :] > qpos, float("-inf"))
+        if window is not None:
+            scores = scores.masked_fill(torch.arange(ctx)[None, :] <= qpos - window, float("-inf"))
         out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
 
@@ -114,6 +116,35 @@ def test_long_decode_split_across_threads(ops, dtype, kv_heads, group):
     ops.paged_attention(out, q, *to_kernel_layout(k_cache, v_cache), torch.tensor(tables, dtype=torch.int32),
                         torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32), 0.125)
     ref = reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 16, 100, 512])
+def test_paged_attention_sliding_window(ops, dtype, window):
+    """Gemma 3's local layers: each row sees only the last `window` keys up to itself, in decode rows (short,
+    and long enough to be split across threads), prefill chunks over cached context, and fresh prompts longer
+    than the window; block tables in random order."""
+    block_size, head_dim, kv_heads, group = 16, 64, 1, 4
+    seqs = [(1, 1), (window, 1), (window + 1, 1), (1500, 1), (700, 40), (300, 300), (window + 3, window + 3)]
+    g = torch.Generator().manual_seed(window)
+    num_blocks = sum(-(-c // block_size) for c, _ in seqs)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(-(-c // block_size) for c, _ in seqs)
+    tables, used, qsl = [], 0, [0]
+    for ctx, q_len in seqs:
+        n = -(-ctx // block_size)
+        tables.append(perm[used:used + n] + [0] * (width - n))
+        used += n
+        qsl.append(qsl[-1] + q_len)
+    q = torch.randn(qsl[-1], kv_heads * group, head_dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    seq_lens = [c for c, _ in seqs]
+    out = torch.full_like(q, float("nan"))
+    ops.paged_attention(out, q, *to_kernel_layout(k_cache, v_cache), torch.tensor(tables, dtype=torch.int32),
+                        torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32), 0.125, window)
+    ref = reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125, window)
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 

@@ -36,7 +36,8 @@ def _tiny_config(arch: str, vocab_size: int, **kw):
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256, rms_norm_eps=1e-5,
                   initializer_range=0.1)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "gemma3": transformers.Gemma3TextConfig}[arch]
     return cls(**{**common, **kw})
 
 
@@ -67,6 +68,13 @@ CASES = {
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-qk-norm-head-dim": ("qwen3", {"head_dim": 64, "tie_word_embeddings": False}),
+    # a window shorter than every prompt, local and global layers with their own RoPE bases, query scaling
+    # that is not head_dim ** -0.5, and final logit softcapping
+    "gemma3-sliding-window": ("gemma3", {
+        "head_dim": 32, "num_hidden_layers": 3, "sliding_window": 5, "query_pre_attn_scalar": 48,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "final_logit_softcapping": 5.0,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}),
 }
 
 
@@ -104,7 +112,8 @@ def test_tiny_model_greedy_matches_hf(case, path, tokenizer_dir, tokenizer, tmp_
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=8,
               attention_backend=path.split("-")[0])
     assert llm.engine.model_info.architecture == model.config.architectures[0]
-    assert (llm.engine.runner.model.fused_ops is not None) == (path == "cpu-fused")
+    # Gemma 3's layer shape is not llama_forward's: it runs layer by layer on every CPU path
+    assert (llm.engine.runner.model.fused_ops is not None) == (path == "cpu-fused" and arch != "gemma3")
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
@@ -113,8 +122,9 @@ def test_tiny_model_greedy_matches_hf(case, path, tokenizer_dir, tokenizer, tmp_
 
 def test_every_registered_architecture_is_covered():
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM"}
-    assert {names[arch] for arch, _ in CASES.values()} == set(MODEL_REGISTRY)
+             "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+    encoders = {"BertModel"}  # tested against sentence-transformers with a real model, in tests/test_embeddings.py
+    assert {names[arch] for arch, _ in CASES.values()} | encoders == set(MODEL_REGISTRY)
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):

@@ -191,6 +191,7 @@ CHECKED_AT_RUN_TIME = {
     "stop_token_ids", "min_tokens", "priority", "thinking_token_budget", "tools", "tool_choice", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "best_of",
     "continue_final_message", "tokens", "input", "previous_response_id", "text",
+    "model",  # the pooling endpoints on a server started with --runner generate (this one): which runner it has
 }
 
 

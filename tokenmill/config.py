@@ -42,6 +42,9 @@ class CliConfig:
 class EngineConfig(CliConfig):
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF directory, GGUF file, or SmolLM2-135M-Instruct"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: the model's)"})
+    runner: str = field(default="auto", metadata={
+        "help": "generate (text) | pooling (embeddings, score, rerank) | auto (pooling for encoders such as "
+                "BertModel, else generate)", "choices": ["auto", "generate", "pooling"]})
     dtype: str = field(default="auto", metadata={"help": "auto|bfloat16|float16|float32",
                                                   "choices": ["auto", "bfloat16", "float16", "float32"]})
     device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})

@@ -1,4 +1,5 @@
-"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`, in one process."""
+"""Offline batch generation, `LLM(model).generate(prompts, SamplingParams(...))`, and embedding,
+`LLM(model, runner="pooling").embed(texts)` / `.score(query, docs)`, in one process."""
 from __future__ import annotations
 
 import itertools
@@ -11,6 +12,9 @@ from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine import EngineCore
 from tokenmill.engine.messages import EngineCoreOutput
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.pooling_outputs import (EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput,
+                                       cosine_similarity)
+from tokenmill.pooling_params import PoolingParams, truncate
 from tokenmill.sampling_params import SamplingParams, child_params
 from tokenmill.tokenizer import load_tokenizer
 
@@ -49,6 +53,36 @@ class LLM:
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         tracked = [self._add(p, i, params, 0) for p, i in zip(prompts, ids)]
         return self._run(tracked, use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """prompts as for generate(); one pooled (and, as the model says, normalised) vector each."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        ids = [truncate(self.tokenizer.encode(p) if isinstance(p, str) else list(p), truncate_prompt_tokens,
+                        self.engine.max_model_len) for p in prompts]
+        rids = [str(next(self._ids)) for _ in ids]
+        for rid, prompt_ids in zip(rids, ids):
+            self.engine.add_pooling_request(rid, prompt_ids, params)
+        pooled, bar = {}, tqdm(total=len(rids), desc="Embedding", disable=not use_tqdm)
+        while len(pooled) < len(rids):
+            for o in self.engine.step():
+                if o.pooled is not None:
+                    pooled[o.request_id] = o.pooled
+                    bar.update(1)
+        bar.close()
+        return [EmbeddingRequestOutput(rid, i, EmbeddingOutput(pooled[rid])) for rid, i in zip(rids, ids)]
+
+    def score(self, query, documents, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """The cosine similarity of the query's embedding with each document's (a bi-encoder's score)."""
+        documents = [documents] if isinstance(documents, str) else documents
+        embeds = self.embed([query, *documents], use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+        q = embeds[0]
+        return [ScoringRequestOutput(d.request_id, q.prompt_token_ids + d.prompt_token_ids,
+                                     ScoringOutput(cosine_similarity(q.outputs.embedding, d.outputs.embedding)))
+                for d in embeds[1:]]
 
     def _add(self, text, ids, params: SamplingParams, priority: int):
         rid = str(next(self._ids))

@@ -32,6 +32,13 @@ def _load_directory(path: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def _with_gguf_chat_template(tok, model_path: str):
+    if not getattr(tok, "chat_template", None):  # HF's GGUF conversion drops the file's template
+        from tokenmill.gguf_chat import gguf_chat_template
+        tok.chat_template = gguf_chat_template(model_path)
+    return tok
+
+
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     if tokenizer_path:
         return _load_directory(tokenizer_path)
@@ -42,10 +49,11 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     key = hashlib.sha256(f"{os.path.abspath(model_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = os.path.join(envs.TOKENMILL_CACHE_DIR, "tokenizers", key)
     if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
-        return _load_directory(cached)
+        return _with_gguf_chat_template(_load_directory(cached), model_path)
     from transformers import AutoTokenizer  # the GGUF conversion itself needs it (and torch), once per file
     tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
                                         local_files_only=True)
+    tok = _with_gguf_chat_template(tok, model_path)
     try:
         tok.save_pretrained(cached)
     except OSError as e:  # a read-only home only costs time

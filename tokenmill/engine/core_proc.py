@@ -69,7 +69,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         os._exit(1)
     outputs.send(encoder.encode(EngineReady(
         engine.max_model_len, engine.runner.vocab_size, config.max_logprobs, config.scheduling_policy,
-        engine.kv_cache.num_blocks, engine.kv_cache.block_size, config.enable_prefix_caching)))
+        engine.kv_cache.num_blocks, engine.kv_cache.block_size, config.enable_prefix_caching, engine.runner_type,
+        engine.pooler is not None and engine.pooler.matryoshka)))
     EngineCoreLoop(engine, inputs, outputs, parent_pid).run()
 
 
@@ -135,8 +136,12 @@ class EngineCoreLoop:
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
             try:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.eos_token_id,
-                                        msg.priority, msg.arrival_time)
+                if msg.pooling is not None:
+                    self.engine.add_pooling_request(msg.request_id, msg.prompt_token_ids, msg.pooling, msg.priority,
+                                                    msg.arrival_time)
+                else:
+                    self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.eos_token_id,
+                                            msg.priority, msg.arrival_time)
             except ParamError as e:
                 self.errors.append(RequestError(msg.request_id, str(e), e.param))
             except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down

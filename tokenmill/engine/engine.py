@@ -10,6 +10,7 @@ import time
 import msgspec
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.encoder_runner import EncoderRunner
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats, validate_request
 from tokenmill.engine.request import Request, RequestStatus
@@ -18,6 +19,9 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.models.loader import load_model_config
 from tokenmill.models.paths import resolve_model_path
+from tokenmill.models.pooler import PoolerConfig
+from tokenmill.pooling_params import (ENCODER_ARCHITECTURES, PoolingParams, check_generate_runner, resolve_runner,
+                                      validate_pooling_request)
 from tokenmill.reasoning import ThinkingTracker
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import load_tokenizer
@@ -38,9 +42,24 @@ class EngineCore:
         self.model_info = load_model_config(resolve_model_path(config.model))
         model_len = getattr(self.model_info.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = config.max_model_len or model_len
-        self.runner = ModelRunner(config, self.model_info, self.max_model_len)
-        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner_type = resolve_runner(config.runner, self.model_info.architecture)
+        encoder, self.pooler = self.model_info.architecture in ENCODER_ARCHITECTURES, None
+        prefix_caching = config.enable_prefix_caching and not encoder  # an encoder keeps no KV
+        if self.runner_type == "pooling":
+            self.pooler = PoolerConfig.from_model(self.model_info.path, self.model_info.hf_config, encoder)
+            # vLLM's rule: sentence-transformers' max_seq_length, the length the model was trained on, caps it
+            self.max_model_len = config.max_model_len or min(model_len, self.pooler.max_seq_length or model_len)
+            if encoder and self.max_model_len > model_len:  # its positions are a learned table of model_len rows
+                raise ValueError(f"--max-model-len {self.max_model_len} is longer than the encoder's "
+                                 f"max_position_embeddings ({model_len})")
+            # a cached prefix has no hidden states to pool over; the last token is always computed
+            prefix_caching = prefix_caching and self.pooler.method == "last"
+        self.runner = (EncoderRunner if encoder else ModelRunner)(config, self.model_info, self.max_model_len)
+        self.runner.pooler = self.pooler
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching)
         budget = config.max_num_batched_tokens or default_max_num_batched_tokens(self.runner.device)
+        if self.runner_type == "pooling":  # a pooling prompt is never chunked: a step must hold the longest
+            budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, budget,
                                    self.max_model_len, config.scheduling_policy)
         self.num_steps = 0
@@ -58,6 +77,7 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None = None, priority: int = 0, arrival_time: float | None = None,
                     extra_keys: tuple = ()) -> Request:
+        check_generate_runner(self.runner_type)
         max_tokens = validate_request(prompt_token_ids, params, priority, self.max_model_len,
                                       self.config.max_logprobs, self.runner.vocab_size, self.scheduler.policy,
                                       self.kv_cache.num_blocks * self.kv_cache.block_size, self.reasoning is not None)
@@ -69,6 +89,16 @@ class EngineCore:
                                                params.thinking_token_budget)
         if params.structured_outputs is not None:
             self.structured.add(request_id, params.structured_outputs)
+        self.scheduler.add_request(request)
+        return request
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                            priority: int = 0, arrival_time: float | None = None) -> Request:
+        validate_pooling_request(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size,
+                                 self.pooler is not None and self.pooler.matryoshka, self.runner_type)
+        request = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), None, 1, priority,
+                          (), arrival_time)
+        request.pooling = params
         self.scheduler.add_request(request)
         return request
 
@@ -92,6 +122,11 @@ class EngineCore:
         outputs = failed
         for r in sched.requests:
             r.num_computed_tokens += sched.num_scheduled_tokens[r.request_id]
+            if r.pooling is not None:  # done in its one step
+                r.times.first_token = now
+                self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
+                outputs.append(self._output(r, [], None, None, result.pooled[r.request_id]))
+                continue
             prompt_lp = result.prompt_logprobs.get(r.request_id)
             token = result.sampled.get(r.request_id)
             if token is None:
@@ -126,11 +161,11 @@ class EngineCore:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _output(self, r: Request, tokens: list[int], logprobs, prompt_logprobs) -> EngineCoreOutput:
+    def _output(self, r: Request, tokens: list[int], logprobs, prompt_logprobs, pooled=None) -> EngineCoreOutput:
         t = r.times
         return EngineCoreOutput(r.request_id, tokens, r.finish_reason, logprobs, prompt_logprobs,
                                 r.num_cached_tokens, t.arrival, t.first_scheduled or 0.0, t.first_token or 0.0,
-                                t.finished or 0.0)
+                                t.finished or 0.0, pooled)
 
     def scheduler_stats(self, step_tokens: int = 0) -> SchedulerStats:
         s, kv = self.scheduler, self.kv_cache

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import ParamError, SamplingParams
 
 
@@ -34,6 +35,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     eos_token_id: int | None
     priority: int
     arrival_time: float  # time.monotonic(): one clock for all processes of a machine
+    pooling: PoolingParams | None = None  # set: embed the prompt (params is then unused), no generation
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -61,6 +63,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float = 0.0
     first_token_time: float = 0.0
     finished_time: float = 0.0
+    pooled: list[float] | None = None  # a pooling request's vector, in its one (finishing) output
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -84,6 +87,8 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool
+    runner: str = "generate"  # or "pooling": which endpoints the server may take (the other kind is a 400)
+    matryoshka: bool = False  # whether a pooling request may ask for fewer `dimensions`
 
 
 class EngineStartupFailed(msgspec.Struct, tag="failed", array_like=True):

@@ -56,6 +56,7 @@ class Request:
         self.logprobs: list[dict] = []  # per output token, when params.logprobs is set
         self.prompt_logprobs: list[dict | None] = []
         self.thinking = None  # a ThinkingTracker, for reasoning requests with a thinking budget or a grammar
+        self.pooling = None  # PoolingParams: embedded in one step, never decoded
 
     @property
     def is_thinking(self) -> bool:

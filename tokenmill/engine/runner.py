@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import psutil
@@ -28,6 +28,7 @@ class RunnerOutput:
     sampled: dict[str, int]  # request_id → token, for requests whose step reached the end of their tokens
     logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # request_id → vector, for pooling requests
 
 
 def keep_freed_memory_in_process() -> None:
@@ -52,12 +53,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def runner_device(config: EngineConfig) -> torch.device:
+    """The device a runner computes on; on the CPU, with the allocator set up for steps (above)."""
+    device = resolve_device(config.device)
+    if device.type == "cpu":
+        keep_freed_memory_in_process()
+    return device
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, info: ModelInfo, max_model_len: int):
         self.config = config
-        self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            keep_freed_memory_in_process()
+        self.device = runner_device(config)
         self.dtype = resolve_dtype(config.dtype, info.hf_config, self.device)
         self.block_size = config.block_size
         self.model = load_model(info, self.dtype, self.device, max_model_len)
@@ -68,6 +75,7 @@ class ModelRunner:
         self.vocab_size = info.hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, config.seed, kernels)
         self.structured = None  # the engine's StructuredOutputManager
+        self.pooler = None  # a PoolerConfig when a decoder runs with --runner pooling (set by the engine)
         self.num_blocks = self._num_blocks(max_model_len)
         k_shape, v_shape = self.backend.kv_cache_shapes(self.num_blocks, self.block_size, self.model.num_kv_heads,
                                                         self.model.head_dim)
@@ -145,12 +153,15 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampling: list[Request] = []
         prompt_lp: list[tuple[Request, int, int]] = []  # (request, first flat index, count)
+        pool_rows: list[tuple[Request, int, int]] = []  # the same, for pooling requests
         flat_start = 0
         for r, n in zip(order, query_lens):
             start, end = r.num_computed_tokens, r.num_computed_tokens + n
             if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens and not r.num_preemptions:
                 prompt_lp.append((r, flat_start, min(end, r.num_prompt_tokens) - start))
-            if end == r.num_tokens:
+            if r.pooling is not None:  # scheduled whole (scheduler.py): its last row is its last token
+                pool_rows.append((r, flat_start, n))
+            elif end == r.num_tokens:
                 logits_rows.append(flat_start + n - 1)
                 sampling.append(r)
             flat_start += n
@@ -172,6 +183,9 @@ class ModelRunner:
                     out.logprobs[r.request_id] = lp
         for r, first, count in prompt_lp:
             out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden[first:first + count])
+        for r, first, count in pool_rows:
+            out.pooled[r.request_id] = self.pooler.pool(hidden[first:first + count], [count],
+                                                        [r.pooling.dimensions])[0]
         return out
 
     def _prompt_logprobs(self, r: Request, hidden: torch.Tensor) -> list[TokenLogprobs | None]:

@@ -110,6 +110,8 @@ class Scheduler:
             if request.params.prompt_logprobs is None:  # prompt logprobs need every prompt position's logits
                 hits, num_hit = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
+            if request.pooling is not None and num_new < request.num_tokens - num_hit:
+                break  # pooled in one step, never chunked: it waits for a step with room for all of it
             if not self.kv_cache.allocate_slots(request, num_new, hits):
                 break
             self.waiting.pop()

@@ -7,7 +7,10 @@ before any sequence reads, so a chunk or a request admitted in the same step can
 is writing in this very step. The runner builds the metadata once per step and every layer reuses it.
 
 A backend takes a layer's fused qkv projection and returns the attention output: it applies the layer's q/k
-norms (Qwen3) and RoPE, writes K/V to the cache and attends.
+norms (Qwen3, Gemma 3) and RoPE, writes K/V to the cache and attends. Two optional arguments serve models whose
+layers differ (Gemma 3): `sliding_window` (the row at position p sees only keys p - W + 1..p; None: all) and
+`rope` (this layer's RotaryEmbedding instead of meta.rope). A sliding layer still writes every token's K/V: the
+block tables stay shared by all layers, and the window is applied when reading.
 - `cpu`: tokenmill's kernels (tokenmill/kernels): RoPE fused with the cache write, and one varlen paged
   attention call for decode rows and prefill chunks together, reading each KV block in place.
 - `torch_sdpa`: gathers each sequence's blocks and calls torch's scaled_dot_product_attention; the reference
@@ -60,7 +63,7 @@ class TorchSDPABackend:
         return shape, shape
 
     def forward(self, layer, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, sliding_window: int | None = None, rope=None) -> torch.Tensor:
         """layer: the model's Attention (head counts, norms, scale); qkv: [T, (Hq + 2 Hkv) * D]. Returns [T, Hq, D]."""
         q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
         q = q.view(-1, layer.num_heads, layer.head_dim)
@@ -68,38 +71,44 @@ class TorchSDPABackend:
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        cos, sin = self._cos_sin(meta, q.dtype)
+        cos, sin = self._cos_sin(meta, q.dtype, rope or meta.rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
-        return self._attend(q, k, v, k_cache, v_cache, meta, layer.scale)
+        return self._attend(q, k, v, k_cache, v_cache, meta, layer.scale, sliding_window)
 
     @staticmethod
-    def _cos_sin(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = ("cos_sin", dtype)
+    def _cos_sin(meta: AttentionMetadata, dtype: torch.dtype, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("cos_sin", dtype, id(rope))
         if key not in meta.derived:
-            meta.derived[key] = meta.rope(meta.positions, dtype)
+            meta.derived[key] = rope(meta.positions, dtype)
         return meta.derived[key]
 
     @staticmethod
-    def _decode_inputs(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decodes' block tables (flattened) and their [d, 1, 1, keys] mask, once per step."""
-        if "decode" not in meta.derived:
+    def _decode_inputs(meta: AttentionMetadata, block_size: int,
+                       window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' block tables (flattened) and their [d, 1, 1, keys] mask, once per step and window."""
+        key = ("decode", window)
+        if key not in meta.derived:
             d = meta.num_decodes
             width = -(-max(meta.context_lens[:d]) // block_size)
             tables = meta.block_tables[:d, :width].long()
             lens = meta.seq_lens[:d].long()
-            mask = (torch.arange(width * block_size, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
-            meta.derived["decode"] = tables.flatten(), mask
-        return meta.derived["decode"]
+            kpos = torch.arange(width * block_size, device=lens.device)[None, :]
+            mask = kpos < lens[:, None]
+            if window is not None:  # the decode row sits at lens - 1 and sees keys > lens - 1 - window
+                mask &= kpos >= (lens - window)[:, None]
+            meta.derived[key] = tables.flatten(), mask[:, None, None, :]
+        return meta.derived[key]
 
-    def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         d = meta.num_decodes
         if d:
-            flat_table, mask = self._decode_inputs(meta, k_cache.shape[1])
+            flat_table, mask = self._decode_inputs(meta, k_cache.shape[1], window)
             kv_shape = (d, -1, k_cache.shape[2], k_cache.shape[3])
             keys = gather_blocks(k_cache, flat_table).view(kv_shape).transpose(1, 2)
             values = gather_blocks(v_cache, flat_table).view(kv_shape).transpose(1, 2)
@@ -111,7 +120,7 @@ class TorchSDPABackend:
             n, ctx = meta.query_lens[s], meta.context_lens[s]
             e = start + n
             qs = q[start:e].transpose(0, 1)
-            if ctx == n:  # nothing cached before this chunk: plain causal attention
+            if ctx == n and (window is None or n <= window):  # nothing cached, no window: plain causal
                 ks, vs, mask, causal = k[start:e].transpose(0, 1), v[start:e].transpose(0, 1), None, True
             else:
                 blocks = meta.block_tables[s, :-(-ctx // k_cache.shape[1])].long()
@@ -120,6 +129,8 @@ class TorchSDPABackend:
                 qpos = torch.arange(ctx - n, ctx, device=q.device)
                 kpos = torch.arange(ctx, device=q.device)
                 mask, causal = kpos[None, :] <= qpos[:, None], False
+                if window is not None:
+                    mask &= kpos[None, :] > qpos[:, None] - window
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale,
                                                enable_gqa=gqa)
             out[start:e] = o.transpose(0, 1)
@@ -145,16 +156,17 @@ class CPUKernelBackend:
         return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
 
     def forward(self, layer, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, sliding_window: int | None = None, rope=None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         q = torch.empty(qkv.shape[0], layer.num_heads, layer.head_dim, dtype=qkv.dtype)
         norm = layer.q_norm is not None
-        self.ops.rope_and_cache(qkv, meta.positions, meta.rope.cos, meta.rope.sin, k_cache, v_cache,
+        rope = rope or meta.rope
+        self.ops.rope_and_cache(qkv, meta.positions, rope.cos, rope.sin, k_cache, v_cache,
                                 meta.slot_mapping, q, layer.q_norm.weight if norm else None,
                                 layer.k_norm.weight if norm else None, layer.q_norm.eps if norm else 0.0)
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, layer.scale)
+                                 meta.query_start_loc, layer.scale, sliding_window or 0)
         return out
 
 

@@ -11,7 +11,8 @@ from transformers import AutoConfig
 
 # GGUF architecture → HF architecture and model_type
 _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
-          "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+          "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+          "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -19,6 +20,9 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms both sides of attention and of the MLP; llama.cpp's ffn_norm is the one before the MLP.
+_GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                 "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -47,6 +51,10 @@ def gguf_config(reader: GGUFReader):
     )
     if g("attention.key_length"):
         kwargs["head_dim"] = g("attention.key_length")
+    if arch == "gemma3":  # what the file leaves out takes HF's Gemma3TextConfig defaults, as HF's own loader
+        rope = {"full_attention": kwargs.pop("rope_theta"), "sliding_attention": 10000.0}
+        kwargs.update(sliding_window=g("attention.sliding_window"), query_pre_attn_scalar=kwargs.get("head_dim", 256),
+                      rope_parameters={t: {"rope_type": "default", "rope_theta": b} for t, b in rope.items()})
     return AutoConfig.for_model(model_type, **kwargs), arch
 
 
@@ -60,7 +68,8 @@ def gguf_weights(reader: GGUFReader, config, arch: str):
     for t in reader.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
-            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+            names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
+            name = f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
         else:
             base, _, leaf = t.name.rpartition(".")
             name = f"{_GLOBAL_NAMES[base]}.{leaf}"
@@ -68,4 +77,6 @@ def gguf_weights(reader: GGUFReader, config, arch: str):
         if arch in ("llama", "mistral") and m and m.group(2) in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
             w = _unpermute(w, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp stores Gemma's 1 + w; HF's checkpoint names hold w
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the file is mapped read-only

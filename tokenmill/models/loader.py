@@ -98,6 +98,9 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
     model = model.to(dtype).eval()
     # computed, not loaded, and kept in float32 (the CPU kernels read these tables; torch casts per step)
-    model.rotary = RotaryEmbedding(info.hf_config, max_positions).to(device)
+    if hasattr(model, "build_rotary"):  # models with more than one RoPE table (Gemma 3)
+        model.build_rotary(max_positions, device)
+    else:
+        model.rotary = RotaryEmbedding(info.hf_config, max_positions).to(device)
     model.pack_weights()
     return model

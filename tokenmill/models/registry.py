@@ -1,6 +1,8 @@
 """Maps config.json's `architectures` to our model classes."""
 from __future__ import annotations
 
+from tokenmill.models.bert import BertModel
+from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 
 
@@ -15,6 +17,8 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": (LlamaForCausalLM, _llama_options),
     "Qwen2ForCausalLM": (LlamaForCausalLM, lambda c: {"qkv_bias": True, "o_bias": False, "qk_norm": False}),
     "Qwen3ForCausalLM": (LlamaForCausalLM, lambda c: {**_llama_options(c), "qk_norm": True}),
+    "Gemma3ForCausalLM": (Gemma3ForCausalLM, lambda c: {}),
+    "BertModel": (BertModel, lambda c: {}),  # an encoder: pooling only (RoBERTa's family waits for a test model)
 }
 
 

@@ -37,7 +37,9 @@ from tokenmill.server.server_config import ServerConfig
 from tokenmill.server.server_state import ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_completion import OpenAIServingCompletion
+from tokenmill.server.serving_embedding import add_embedding_routes
 from tokenmill.server.serving_responses import add_responses_routes
+from tokenmill.server.serving_score import add_score_routes
 from tokenmill.server.serving_tokenization import OpenAIServingTokenization
 from tokenmill.server.tracing import make_tracer
 from tokenmill.tokenizer import load_tokenizer
@@ -103,6 +105,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return await chat.create_chat_completion(body, raw)
 
     add_responses_routes(app, state)
+    add_embedding_routes(app, state)
+    add_score_routes(app, state)
 
     @app.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest):

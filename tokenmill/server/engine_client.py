@@ -23,6 +23,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import run_engine_core
 from tokenmill.engine.messages import (AbortRequests, AddRequest, EngineCoreOutputs, EngineMessage, EngineReady,
                                        EngineStartupFailed, SchedulerStats, StatsQuery)
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import EngineDeadError, StreamStalled
 from tokenmill.server.generation_stream import GenerationStream
@@ -230,14 +231,15 @@ class EngineClient:
         self._input.send(self._encoder.encode(msg), copy=False)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_id: int | None, priority: int, queue: asyncio.Queue) -> None:
+                    eos_token_id: int | None, priority: int, queue: asyncio.Queue,
+                    pooling: PoolingParams | None = None) -> None:
         self.check_alive()
         self._queues[request_id] = queue
         self._queued[request_id] = len(prompt_token_ids)
         arrival = time.monotonic()
         if self.metrics is not None:
             self.metrics.request_added(request_id, len(prompt_token_ids), arrival)
-        self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_id, priority, arrival))
+        self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_id, priority, arrival, pooling))
 
     def abort(self, request_ids: list[str], finished_reason: str = "abort") -> None:
         """Stops requests in the engine; finished_reason is what the metrics record (a stop string that the

@@ -14,12 +14,14 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from tokenmill.server import pooling_protocol as pp
 from tokenmill.server import protocol as p
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
 RESPONSE_STRUCTS = (p.ErrorResponse, p.ModelList, p.CompletionResponse, p.ChatCompletionResponse,
-                    p.ChatCompletionChunk, p.ChatCompletionUsageChunk, p.TokenizeResponse, p.DetokenizeResponse)
+                    p.ChatCompletionChunk, p.ChatCompletionUsageChunk, p.TokenizeResponse, p.DetokenizeResponse,
+                    *pp.RESPONSE_STRUCTS)
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -57,6 +59,10 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("/metrics", "get"): {METRICS_CONTENT_TYPE: STRING},  # the Prometheus text exposition format
     ("/version", "get"): {JSON: VERSION},
     ("/dashboard", "get"): {"text/html": STRING},
+    ("/v1/embeddings", "post"): {JSON: _ref("EmbeddingResponse")},
+    ("/pooling", "post"): {JSON: _ref("PoolingResponse")},
+    **{(path, "post"): {JSON: _ref("ScoreResponse")} for path in ("/score", "/v1/score")},
+    **{(path, "post"): {JSON: _ref("RerankResponse")} for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
 }
 # Answered by LifecycleApp before FastAPI (lifecycle.py), in plain text: summary, and whether it can be 503
 HEALTH = {
@@ -76,6 +82,23 @@ def install_openapi(app: FastAPI, api_key: bool) -> None:
     app.openapi = openapi
 
 
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _standard_bounds(node: Any) -> None:
+    """pydantic states the bounds of an optional Int field (protocol.py: a validator before the bounds) as
+    `ge`/`le`, which JSON Schema does not know, so clients (and schemathesis) saw no bounds; renamed in place."""
+    if isinstance(node, dict):
+        if node.get("type") in ("integer", "number"):
+            for key in [k for k in _BOUNDS if k in node]:
+                node[_BOUNDS[key]] = node.pop(key)
+        for value in node.values():
+            _standard_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _standard_bounds(value)
+
+
 def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
@@ -86,6 +109,7 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     if clash:  # one name for a request model and a response Struct: a $ref would point at the wrong one
         raise RuntimeError(f"request and response schemas share the names {sorted(clash)}")
     schemas.update(structs)
+    _standard_bounds(schemas)
     for path, (summary, may_fail) in HEALTH.items():
         responses = {"200": _plain("Yes.")} | ({"503": _plain("No: the phase, or why not.")} if may_fail else {})
         doc["paths"][path] = {"get": {"summary": summary, "operationId": path.strip("/").replace("/", "_"),

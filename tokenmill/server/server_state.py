@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass, field
 
 from tokenmill.engine.messages import EngineReady, validate_request
+from tokenmill.pooling_params import check_generate_runner, check_pooling_runner
 from tokenmill.reasoning import ReasoningSpec
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.chat_utils import render_chat
@@ -50,9 +51,13 @@ class ServerState:
         from tokenmill.engine.structured_output import GrammarCompiler
         return GrammarCompiler(self.tokenizer, self.engine.vocab_size)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, runner: str | None = "generate") -> None:
+        """The model name, and that the engine runs what the endpoint needs (`--runner`; None: either), before any
+        other check."""
         if model is not None and model not in self.model_names and model != self.model_root:
             raise ModelNotFound(model)
+        if runner is not None:
+            (check_generate_runner if runner == "generate" else check_pooling_runner)(self.engine.runner)
 
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)
@@ -63,6 +68,7 @@ class ServerState:
     def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int) -> None:
         """The engine's own checks (context length, logprobs, vocabulary, priority), before anything is sent."""
         e = self.engine
+        check_generate_runner(e.runner)
         validate_request(prompt_ids, params, priority, e.max_model_len, e.max_logprobs, e.vocab_size,
                          e.scheduling_policy, e.num_blocks * e.block_size, self.reasoning is not None)
 

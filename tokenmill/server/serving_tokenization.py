@@ -13,7 +13,7 @@ class OpenAIServingTokenization:
 
     async def tokenize(self, req: p.TokenizeRequest):
         state = self.state
-        state.check_model(req.model)
+        state.check_model(req.model, runner=None)
         if req.messages is not None:
             text, ids = await state.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                                 req.chat_template_kwargs, req.tools)
@@ -28,7 +28,7 @@ class OpenAIServingTokenization:
 
     def detokenize(self, req: p.DetokenizeRequest):
         state = self.state
-        state.check_model(req.model)
+        state.check_model(req.model, runner=None)
         bad = [t for t in req.tokens if not 0 <= t < state.engine.vocab_size]
         if bad:
             raise ParamError(f"token id {bad[0]} is out of vocabulary (size {state.engine.vocab_size})", "tokens")

@@ -172,7 +172,9 @@ inline typename Elem<T>::raw* raw_ptr(const at::Tensor& t) {
 // Paged attention, varlen: sequence s owns query rows [query_start_loc[s], query_start_loc[s+1]) and, after
 // this step, seq_lens[s] tokens of KV in the blocks block_tables[s, :]. Its last query row is the newest token,
 // so query row i of a chunk of q_len rows sits at position seq_lens[s] - q_len + i and attends to keys 0..pos
-// (causal). Decode rows (q_len 1) and prefill chunks with cached context are the same case.
+// (causal). Decode rows (q_len 1) and prefill chunks with cached context are the same case. With a sliding
+// window W > 0 (Gemma's local layers), the row at pos sees only keys pos - W + 1..pos: blocks wholly before a
+// tile's window are never read, so a local layer's cost stays bounded by W however long the context grows.
 //
 // KV layout (this backend's own): k_cache [blocks, kv_heads, head_dim, block_size] (K transposed within a
 // block), v_cache [blocks, kv_heads, block_size, head_dim]. A block of one head is contiguous, and the scores
@@ -197,6 +199,7 @@ constexpr int kDimChunk = 32;      // head_dim must be a multiple of this (two A
 struct AttnShape {
   int num_heads, num_kv_heads, head_dim;
   float scale;
+  int window;  // sliding window in tokens; 0: every earlier key is visible
 };
 
 // Scores of kRowBlock query rows against a block at a time: p[r][j] = q_r . k_j, with K transposed ([D][B]).
@@ -269,7 +272,7 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
   const int D = shape.head_dim, Hkv = shape.num_kv_heads, G = shape.num_heads / Hkv;
   const int tokens = w.q_end - w.q_begin, R = tokens * G;
   const int R4 = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
-  scratch.resize(static_cast<size_t>(R4) * D * 2 + static_cast<size_t>(R4) * (B + 4) + 2 * B * D);
+  scratch.resize(static_cast<size_t>(R4) * D * 2 + static_cast<size_t>(R4) * (B + 5) + 2 * B * D);
   float* qf = scratch.data();  // [R4][D], scaled, rows past R zero
   float* acc = qf + R4 * D;    // [R4][D]
   float* p = acc + R4 * D;     // [R4][B] scores, then probabilities
@@ -277,7 +280,8 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
   float* l = m + R4;           // running sum per row
   float* corr = l + R4;        // this block's rescaling of each row's accumulator
   int* last = reinterpret_cast<int*>(corr + R4);  // the last key position each row may see
-  float* kt = reinterpret_cast<float*>(last + R4);  // [D][B]
+  int* first = last + R4;                         // the first (the sliding window's start; else 0)
+  float* kt = reinterpret_cast<float*>(first + R4);  // [D][B]
   float* vf = kt + B * D;      // [B][D]
   const int64_t q_row_stride = static_cast<int64_t>(shape.num_heads) * D;
   const int first_pos = ctx_len - q_len;
@@ -293,6 +297,7 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
       m[r] = -1e30f;
       l[r] = 0.0f;
       last[r] = first_pos + w.q_begin + t;
+      first[r] = shape.window > 0 ? std::max(0, last[r] - shape.window + 1) : 0;
     }
   }
   const int64_t block_elems = static_cast<int64_t>(B) * D;
@@ -306,13 +311,14 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
     block_scores<B>(qf, kt, p, R4, D);
     for (int r = 0; r < R4; ++r) {
       float* pr = p + r * B;
-      const int hi = r < R ? std::min(n, last[r] - start + 1) : lo;  // keys [lo, hi) are visible to row r
-      if (hi <= lo) {  // nothing visible (a later query's keys, or a padding row)
+      const int hi = r < R ? std::min(n, last[r] - start + 1) : lo;  // keys [lo_r, hi) are visible to row r
+      const int lo_r = r < R ? std::max(lo, first[r] - start) : lo;
+      if (hi <= lo_r) {  // nothing visible (a later query's keys, keys before its window, or a padding row)
         std::fill(pr, pr + B, 0.0f);
         corr[r] = 1.0f;
         continue;
       }
-      for (int j = 0; j < lo; ++j) pr[j] = -1e30f;
+      for (int j = 0; j < lo_r; ++j) pr[j] = -1e30f;
       for (int j = hi; j < B; ++j) pr[j] = -1e30f;
       vfloat mx = vload(pr);
       for (int jv = 1; jv < B / VL; ++jv) mx = vmax(mx, vload(pr + jv * VL));
@@ -350,10 +356,10 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
 template <typename T, int B>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                          const at::Tensor& query_start_loc, double scale) {
+                          const at::Tensor& query_start_loc, double scale, int window) {
   const int num_seqs = seq_lens.size(0);
   const AttnShape shape{static_cast<int>(query.size(1)), static_cast<int>(k_cache.size(1)),
-                        static_cast<int>(query.size(2)), static_cast<float>(scale)};
+                        static_cast<int>(query.size(2)), static_cast<float>(scale), window};
   const int G = shape.num_heads / shape.num_kv_heads, D = shape.head_dim;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -370,19 +376,22 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   for (int s = 0; s < num_seqs; ++s) {
     const int q_len = qsl[s + 1] - qsl[s], ctx = lens[s];
     if (q_len == 0) continue;
+    // The first key a query tile starting at row b can see: its first row's window start.
+    auto first_key = [&](int b) { return window > 0 ? std::max(0, ctx - q_len + b - window + 1) : 0; };
+    const int decode_keys = ctx - first_key(0);
     int parts = 1;
-    if (q_len == 1 && base_items < 4 * threads && ctx >= 2 * kSplitTokens)
-      parts = std::min<int>(ctx / kSplitTokens, 4 * threads);
+    if (q_len == 1 && base_items < 4 * threads && decode_keys >= 2 * kSplitTokens)
+      parts = std::min<int>(decode_keys / kSplitTokens, 4 * threads);
     for (int h = 0; h < shape.num_kv_heads; ++h) {
       if (parts > 1) {
-        const int per = (ctx + parts - 1) / parts;
+        const int begin = first_key(0), per = (decode_keys + parts - 1) / parts;
         merges.push_back({num_partials, parts, s, h});
         for (int i = 0; i < parts; ++i)
-          items.push_back({s, h, 0, 1, i * per, std::min(ctx, (i + 1) * per), num_partials++});
+          items.push_back({s, h, 0, 1, begin + i * per, std::min(ctx, begin + (i + 1) * per), num_partials++});
         continue;
       }
       for (int b = 0; b < q_len; b += kQueryTile)
-        items.push_back({s, h, b, std::min(q_len, b + kQueryTile), 0, ctx, -1});
+        items.push_back({s, h, b, std::min(q_len, b + kQueryTile), first_key(b), ctx, -1});
     }
   }
   // Longest items first, handed out dynamically: a long prefill tile must not be the last one started.
@@ -452,15 +461,16 @@ void check_attention_args(const at::Tensor& out, const at::Tensor& query, const 
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale) {
+                     const at::Tensor& query_start_loc, double scale, int64_t window = 0) {
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
   check_attention_args(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
   const int64_t block_size = k_cache.size(3);
   TM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
     switch (block_size) {
-      case 16: return paged_attention_impl<scalar_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
-      case 32: return paged_attention_impl<scalar_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
-      case 64: return paged_attention_impl<scalar_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
-      case 128: return paged_attention_impl<scalar_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+      case 16: return paged_attention_impl<scalar_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, static_cast<int>(window));
+      case 32: return paged_attention_impl<scalar_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, static_cast<int>(window));
+      case 64: return paged_attention_impl<scalar_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, static_cast<int>(window));
+      case 128: return paged_attention_impl<scalar_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, static_cast<int>(window));
       default: TORCH_CHECK(false, "paged_attention: block size must be 16, 32, 64 or 128, got ", block_size);
     }
   });
@@ -873,7 +883,7 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
 
 TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int window=0) -> ()");
   m.def("rope_and_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor(c!) q_out, Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");

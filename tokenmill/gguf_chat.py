@@ -1,0 +1,22 @@
+"""A GGUF model's chat template, from its metadata.
+
+HF's GGUF tokenizer conversion drops `tokenizer.chat_template`, which llama.cpp's files carry; we read it back.
+A file without one (the Gemma 3 270M Q4_K_M package's) gets its architecture's own template, shipped in
+server/templates, so that chat requests work as they would with the model's HF tokenizer. Imports no torch:
+the API server loads tokenizers too."""
+from __future__ import annotations
+
+from pathlib import Path
+
+TEMPLATES_DIR = Path(__file__).parent / "server" / "templates"
+ARCH_TEMPLATES = {"gemma3": "gemma3.jinja"}  # GGUF architecture → shipped template, for files without one
+
+
+def gguf_chat_template(path: str) -> str | None:
+    from gguf import GGUFReader
+    fields = GGUFReader(path).fields
+    if "tokenizer.chat_template" in fields:
+        return fields["tokenizer.chat_template"].contents()
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    name = ARCH_TEMPLATES.get(arch)
+    return (TEMPLATES_DIR / name).read_text() if name else None
