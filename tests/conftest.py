@@ -25,6 +25,19 @@ def hf_reference(default_gguf):
     return model.eval()
 
 
+@pytest.fixture
+def anyio_backend():
+    """The async in-process API tests (pytest.mark.anyio) run on asyncio, as the server does."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def app(tokenizer):
+    """The OpenAI app as `tokenmill serve` builds it, on a fake engine client (tests/fake_engine.py)."""
+    from fake_engine import InProcessServer
+    return InProcessServer(tokenizer)
+
+
 @pytest.fixture(scope="session")
 def tokenizer(default_gguf):
     from tokenmill.tokenizer import load_tokenizer

@@ -23,20 +23,8 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float, interval_s: float
                retry_on: tuple[type[BaseException], ...] = ()) -> Any:
     """Poll `predicate` until it is truthy (return its value) or `timeout_s` passes (AssertionError). It is always
     called at least once, and once more at the deadline. `message` may be a callable, called only on failure, so
-    that it can describe the last state seen."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        last_error = None
-        try:
-            result = predicate()
-            if result:
-                return result
-        except retry_on as e:
-            last_error = e
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise _failure(message, timeout_s, last_error)
-        time.sleep(min(interval_s, remaining))
+    that it can describe the last state seen. For a test without an event loop of its own."""
+    return asyncio.run(wait_until_async(predicate, timeout_s, interval_s, message, retry_on))
 
 
 async def wait_until_async(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1,

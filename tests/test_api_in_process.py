@@ -13,6 +13,7 @@ import sys
 import httpx
 import pytest
 from fake_engine import API_KEY, CONTINUATION, MODEL, InProcessServer
+from openai_shapes import error_object, sse_events
 
 pytestmark = pytest.mark.anyio
 
@@ -21,38 +22,14 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def app(tokenizer) -> InProcessServer:
-    return InProcessServer(tokenizer)
-
-
 def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["code"] == status and body["error"]["message"]
-    assert "Traceback" not in r.text
-    return body["error"]
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    return error_object(r, status)
 
 
 def _sse_events(r: httpx.Response) -> list:
-    """Every event is one 'data: ...' line and a blank line; the stream ends with [DONE], once."""
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
-    body = r.text
-    assert body.endswith("data: [DONE]\n\n"), body[-200:]
-    events = []
-    for block in body.split("\n\n")[:-1]:
-        assert block.startswith("data: ") and "\n" not in block, block
-        payload = block[len("data: "):]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
-    return events[:-1]
+    return sse_events(r)
 
 
 async def _post(app: InProcessServer, path: str, body: dict | str, api_key: str | None = API_KEY) -> httpx.Response:

@@ -24,11 +24,6 @@ from tokenmill.server.engine_client import EngineClient
 from tokenmill.server.errors import StreamStalled
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 # ---- in-process ----
 
 @pytest.mark.anyio

@@ -2,7 +2,6 @@
 and bfloat16, for every ISA build this CPU can run (AVX-512 machines run the AVX2 build too)."""
 from __future__ import annotations
 
-import math
 import random
 
 import pytest

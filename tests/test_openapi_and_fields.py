@@ -27,16 +27,6 @@ CHAT = [{"role": "user", "content": "Hi"}]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def app(tokenizer) -> InProcessServer:
-    return InProcessServer(tokenizer)
-
-
 async def _post(app: InProcessServer, path: str, body: dict) -> httpx.Response:
     async with app.http() as client:
         return await client.post(path, json=body)

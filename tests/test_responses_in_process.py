@@ -12,7 +12,7 @@ import pytest
 from fake_engine import CONTINUATION, MODEL, InProcessServer
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from test_api_in_process import _error, _post, anyio_backend, app  # noqa: F401 - its fixtures serve here too
+from test_api_in_process import _error, _post
 
 pytestmark = pytest.mark.anyio
 

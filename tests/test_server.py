@@ -1,27 +1,14 @@
 """The OpenAI-compatible server, through the official openai SDK and raw HTTP, against a real `tokenmill serve`."""
 from __future__ import annotations
 
-import json
 
 import httpx
 import pytest
+from openai_shapes import sse_events
 from server_utils import MODEL, server  # noqa: F401 - the fixture
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
 PROMPT = "The capital of France is"
-
-
-def _sse_events(response: httpx.Response) -> list:
-    """Parses an SSE body, checking the framing: every event is one 'data: ...' line followed by a blank line."""
-    body = response.text
-    assert body.endswith("data: [DONE]\n\n"), body[-200:]
-    events = []
-    for block in body.split("\n\n")[:-1]:
-        assert block.startswith("data: ") and "\n" not in block, block
-        payload = block[len("data: "):]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
-    return events[:-1]
 
 
 def test_health_version_models(server):
@@ -104,7 +91,7 @@ def test_chat_sse_framing(server):
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     r = httpx.post(server.url_for("/v1/chat/completions"), json=body, headers=server.headers(), timeout=120)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    events = _sse_events(r)
+    events = sse_events(r)
     first, *content, finish, usage = events
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -115,7 +102,7 @@ def test_chat_sse_framing(server):
     assert len({e["id"] for e in events}) == 1
 
     body["stream_options"] = None
-    events = _sse_events(httpx.post(server.url_for("/v1/chat/completions"), json=body, headers=server.headers(),
+    events = sse_events(httpx.post(server.url_for("/v1/chat/completions"), json=body, headers=server.headers(),
                                     timeout=120))
     assert events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]
 
@@ -123,7 +110,7 @@ def test_chat_sse_framing(server):
 def test_completion_sse_framing(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
-    events = _sse_events(httpx.post(server.url_for("/v1/completions"), json=body, headers=server.headers(),
+    events = sse_events(httpx.post(server.url_for("/v1/completions"), json=body, headers=server.headers(),
                                     timeout=120))
     *content, finish, usage = events
     assert all(e["object"] == "text_completion" and e["choices"][0]["finish_reason"] is None for e in content)

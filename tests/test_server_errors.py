@@ -4,6 +4,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from openai_shapes import error_object
 from server_utils import MODEL, server  # noqa: F401 - the fixture
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -13,15 +14,6 @@ def _post(server, path: str, body: dict | str, headers: dict | None = None) -> h
     headers = {**server.headers(), "Content-Type": "application/json", **(headers or {})}
     kwargs = {"content": body} if isinstance(body, str) else {"json": body}
     return httpx.post(server.url_for(path), headers=headers, timeout=120, **kwargs)
-
-
-def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["code"] == status and body["error"]["message"]
-    assert "Traceback" not in r.text
-    return body["error"]
 
 
 # The exhaustive tables run in-process (test_api_in_process.py); here a few of each kind go through the real
@@ -39,7 +31,7 @@ CHAT_CASES = [
 @pytest.mark.parametrize("override,param,fragment", CHAT_CASES, ids=[f"{c[1]}-{i}" for i, c in enumerate(CHAT_CASES)])
 def test_chat_bad_request(server, override, param, fragment):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, **override}
-    err = _error(_post(server, "/v1/chat/completions", body), 400)
+    err = error_object(_post(server, "/v1/chat/completions", body), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert fragment in err["message"], err
 
@@ -56,31 +48,31 @@ COMPLETION_CASES = [
                          ids=[f"{c[1]}-{i}" for i, c in enumerate(COMPLETION_CASES)])
 def test_completion_bad_request(server, override, param, fragment):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **override}
-    err = _error(_post(server, "/v1/completions", body), 400)
+    err = error_object(_post(server, "/v1/completions", body), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert fragment in err["message"], err
 
 
 def test_missing_required_field(server):
-    err = _error(_post(server, "/v1/completions", {"model": MODEL}), 400)
+    err = error_object(_post(server, "/v1/completions", {"model": MODEL}), 400)
     assert err["param"] == "prompt" and "required" in err["message"]
-    err = _error(_post(server, "/v1/chat/completions", {"model": MODEL}), 400)
+    err = error_object(_post(server, "/v1/chat/completions", {"model": MODEL}), 400)
     assert err["param"] == "messages"
 
 
 def test_malformed_json(server):
-    err = _error(_post(server, "/v1/completions", '{"model": "x", "prompt": '), 400)
+    err = error_object(_post(server, "/v1/completions", '{"model": "x", "prompt": '), 400)
     assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
 
 
 def test_context_length_exceeded(server):
     long_prompt = "hello " * 1500  # ~1500 tokens; max_model_len is 2048
-    err = _error(_post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 1000}), 400)
+    err = error_object(_post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 1000}), 400)
     assert err["param"] == "max_tokens" and "2048" in err["message"]
     n_prompt = httpx.post(server.url_for("/tokenize"), json={"prompt": long_prompt}).json()["count"]
     assert f"{n_prompt + 1000} tokens" in err["message"] and f"{n_prompt} in the messages" in err["message"]
     # chat without max_tokens: the prompt alone is too long
-    err = _error(_post(server, "/v1/chat/completions",
+    err = error_object(_post(server, "/v1/chat/completions",
                        {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 2100}]}), 400)
     assert "2048" in err["message"]
     # the same through the SDK
@@ -92,12 +84,12 @@ def test_context_length_exceeded(server):
 
 def test_streaming_errors_come_before_the_stream(server):
     r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 0, "stream": True})
-    assert _error(r, 400)["param"] == "max_tokens"
+    assert error_object(r, 400)["param"] == "max_tokens"
     assert r.headers["content-type"].startswith("application/json")
 
 
 def test_unknown_model(server):
-    err = _error(_post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}), 404)
+    err = error_object(_post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}), 404)
     assert err["type"] == "not_found_error" and "gpt-9" in err["message"]
     with pytest.raises(openai.NotFoundError):
         server.openai().completions.create(model="nope", prompt="x", max_tokens=1)
@@ -105,10 +97,10 @@ def test_unknown_model(server):
 
 def test_api_key(server):
     url = server.url_for("/v1/models")
-    err = _error(httpx.get(url), 401)
+    err = error_object(httpx.get(url), 401)
     assert err["type"] == "authentication_error"
-    _error(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401)
-    _error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT},
+    error_object(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401)
+    error_object(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT},
                  headers={"Authorization": "Bearer wrong"}), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -118,7 +110,7 @@ def test_api_key(server):
 
 
 def test_unknown_route(server):
-    err = _error(httpx.get(server.url_for("/v1/nothing-here"), headers=server.headers()), 404)
+    err = error_object(httpx.get(server.url_for("/v1/nothing-here"), headers=server.headers()), 404)
     assert err["type"] == "not_found_error"
 
 
@@ -144,6 +136,6 @@ def test_hostile_values_do_not_hurt_the_engine(server, body, status, param):
     if status == 200:
         assert r.status_code == 200, r.text
     else:
-        assert _error(r, status)["param"] == param
+        assert error_object(r, status)["param"] == param
     assert server.engine_process().pid == engine_pid
     assert httpx.get(server.url_for("/health")).status_code == 200

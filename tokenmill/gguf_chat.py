@@ -6,10 +6,8 @@ server/templates, so that chat requests work as they would with the model's HF t
 the API server loads tokenizers too."""
 from __future__ import annotations
 
-from pathlib import Path
-
-TEMPLATES_DIR = Path(__file__).parent / "server" / "templates"
-ARCH_TEMPLATES = {"gemma3": "gemma3.jinja"}  # GGUF architecture → shipped template, for files without one
+# GGUF architecture → the shipped template (server/templates, chat_utils.SHIPPED_TEMPLATES) for files without one
+ARCH_TEMPLATES = {"gemma3": "gemma3"}
 
 
 def gguf_chat_template(path: str) -> str | None:
@@ -19,4 +17,7 @@ def gguf_chat_template(path: str) -> str | None:
         return fields["tokenizer.chat_template"].contents()
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
     name = ARCH_TEMPLATES.get(arch)
-    return (TEMPLATES_DIR / name).read_text() if name else None
+    if name is None:
+        return None
+    from tokenmill.server.chat_utils import SHIPPED_TEMPLATES
+    return SHIPPED_TEMPLATES[name].read_text()

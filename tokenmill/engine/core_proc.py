@@ -70,7 +70,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.send(encoder.encode(EngineReady(
         engine.max_model_len, engine.runner.vocab_size, config.max_logprobs, config.scheduling_policy,
         engine.kv_cache.num_blocks, engine.kv_cache.block_size, config.enable_prefix_caching, engine.runner_type,
-        engine.pooler is not None and engine.pooler.matryoshka)))
+        engine.matryoshka)))
     EngineCoreLoop(engine, inputs, outputs, parent_pid).run()
 
 

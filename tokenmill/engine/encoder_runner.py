@@ -13,7 +13,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.runner import RunnerOutput, runner_device
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.models.loader import DTYPES, ModelInfo, load_model, resolve_dtype
+from tokenmill.models.loader import ModelInfo, checkpoint_dtype, load_model, resolve_dtype
 from tokenmill.models.pooler import PoolerConfig
 
 logger = logging.getLogger("tokenmill.runner")
@@ -25,9 +25,7 @@ def encoder_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     encoder."""
     if name != "auto":
         return resolve_dtype(name, hf_config, device)
-    configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(configured, str):
-        configured = DTYPES.get(configured)
+    configured = checkpoint_dtype(hf_config)
     return configured if isinstance(configured, torch.dtype) else torch.float32
 
 

@@ -74,6 +74,11 @@ class EngineCore:
         self.runner.structured = self.structured
         self.scheduler.is_ready = lambda request: self.structured.ready(request.request_id)
 
+    @property
+    def matryoshka(self) -> bool:
+        """The model's embeddings may be cut to fewer `dimensions` (and renormalised)."""
+        return self.pooler is not None and self.pooler.matryoshka
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None = None, priority: int = 0, arrival_time: float | None = None,
                     extra_keys: tuple = ()) -> Request:
@@ -95,7 +100,7 @@ class EngineCore:
     def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
                             priority: int = 0, arrival_time: float | None = None) -> Request:
         validate_pooling_request(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size,
-                                 self.pooler is not None and self.pooler.matryoshka, self.runner_type)
+                                 self.matryoshka, self.runner_type)
         request = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), None, 1, priority,
                           (), arrival_time)
         request.pooling = params

@@ -46,6 +46,12 @@ def cpu_has_fast_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
+def checkpoint_dtype(hf_config) -> torch.dtype | None:
+    """The dtype the checkpoint's config names (`dtype`, or the older `torch_dtype`), if any."""
+    configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return DTYPES.get(configured) if isinstance(configured, str) else configured
+
+
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
@@ -53,9 +59,7 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
         # bf16 matmuls are fast only with AMX or AVX512-BF16; elsewhere oneDNN emulates them and float32 wins
         # (measured on an AVX2-only EPYC: a 2048x576x1728 bf16 linear took 5x as long as float32).
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(configured, str):
-        configured = DTYPES.get(configured)
+    configured = checkpoint_dtype(hf_config)
     return configured if configured in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
