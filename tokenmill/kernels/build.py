@@ -1,6 +1,7 @@
-"""Builds the CPU kernels (csrc/cpu_ops.cpp) with g++ against the installed torch, once per instruction set.
+"""Builds the CPU kernels (csrc/*.cpp) with g++ against the installed torch, once per instruction set.
 
-Plain g++ rather than torch's JIT loader: one translation unit, no ninja, and the ISA flags are ours. The same
+Plain g++ rather than torch's JIT loader: one library from a handful of sources, no ninja, and the ISA flags
+are ours. The same
 source is compiled for AVX-512 and for AVX2+FMA, each registering its ops under its own namespace
 (torch.ops.tokenmill_avx512, torch.ops.tokenmill_avx2), so one process can load both (the tests compare them).
 A build is keyed by the source, the flags, torch's version and the compiler, and kept in the cache directory;
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import glob
 import hashlib
 import os
 import shutil
@@ -24,7 +26,12 @@ from torch.utils import cpp_extension
 
 from tokenmill import envs
 
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.cpp")
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+
+
+def sources() -> list[str]:
+    """The translation units (one concept each: cpu_ops.cpp, the quantized linear layers, ...)."""
+    return sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -46,14 +53,16 @@ def command(isa: str, output: str) -> list[str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libdir = cpp_extension.library_paths()[0]
     return [compiler(), *COMMON_FLAGS, *ISA_FLAGS[isa], f"-DTM_NAMESPACE=tokenmill_{isa}",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, SOURCE, f"-L{libdir}", "-lc10", "-ltorch_cpu",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *sources(), f"-L{libdir}", "-lc10", "-ltorch_cpu",
             "-ltorch", f"-Wl,-rpath,{libdir}", "-o", output]
 
 
 def library_path(isa: str) -> str:
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(source + repr((command(isa, ""), torch.__version__)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(repr((command(isa, ""), torch.__version__)).encode())
+    for path in sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "*.h"))):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    key = digest.hexdigest()[:16]
     return os.path.join(cache_dir(), f"tokenmill_cpu_{isa}_{key}.so")
 
 
