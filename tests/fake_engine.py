@@ -52,6 +52,10 @@ class FakeEngineClient:
     def generate(self, request_id, prompts, params, tokenizer, priority=0) -> GenerationStream:
         return GenerationStream(self, request_id, prompts, params, tokenizer, priority)
 
+    def add_requests(self, requests, eos_token_id, priority, queue) -> None:
+        for request_id, prompt_token_ids, params in requests:
+            self.add_request(request_id, prompt_token_ids, params, eos_token_id, priority, queue)
+
     def add_request(self, request_id, prompt_token_ids, params, eos_token_id, priority, queue) -> None:
         self.check_alive()
         self.added[request_id] = (prompt_token_ids, params, priority)
@@ -123,7 +127,8 @@ class InProcessServer:
                             scheduling_policy="fcfs", num_blocks=num_blocks, block_size=16,
                             enable_prefix_caching=True)
         self.client = FakeEngineClient(tokenizer, ready)
-        self.config = ServerConfig(**{"api_key": API_KEY, "max_n": 8, **config})
+        self.config = ServerConfig(**{"api_key": API_KEY, "max_n": 8, "enable_tokenizer_info_endpoint": True,
+                                      "enable_server_load_tracking": True, **config})  # as server_utils.SERVER_ARGS
         self.state = ServerState(self.client, tokenizer, ready, self.config, MODEL)
         self.lifecycle = Lifecycle(shutdown_timeout_s=30)
         self.lifecycle.phase = "ready"

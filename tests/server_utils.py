@@ -20,9 +20,13 @@ import pytest
 
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
-# float32: CPUs without AMX/AVX512-BF16 emulate bf16 matmuls very slowly.
+# float32: CPUs without AMX/AVX512-BF16 emulate bf16 matmuls very slowly. Quantization none: some tests compare
+# logprobs with HF's float32 model on the dequantized GGUF weights.
 SERVER_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--dtype", "float32", "--max-n", "8",
-               "--uvicorn-log-level", "warning"]
+               "--quantization", "none",
+               "--uvicorn-log-level", "warning",
+               # endpoints that vLLM serves only when asked (tests/test_vllm_parity.py); the same in fake_engine.py
+               "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking"]
 STARTUP_TIMEOUT_S = 300
 
 

@@ -101,7 +101,7 @@ def reference(hf_reference):
     return get
 
 
-_WEIGHTS: dict[torch.dtype, torch.nn.Module] = {}
+_WEIGHTS: dict[tuple[torch.dtype, str], torch.nn.Module] = {}
 
 
 def make_llm(**kw) -> LLM:
@@ -109,14 +109,16 @@ def make_llm(**kw) -> LLM:
     and reused, since dequantizing them is most of the start-up time. The model holds no per-engine state."""
     real = runner_module.load_model
 
-    def load_once(info, dtype, device, max_positions):
-        if dtype not in _WEIGHTS:
-            _WEIGHTS[dtype] = real(info, dtype, device, max_positions)
-        return _WEIGHTS[dtype]
+    def load_once(info, dtype, device, max_positions, quantization):
+        if (dtype, quantization) not in _WEIGHTS:
+            _WEIGHTS[dtype, quantization] = real(info, dtype, device, max_positions, quantization)
+        return _WEIGHTS[dtype, quantization]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runner_module, "load_model", load_once)
-        return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", **kw)
+        # quantization none unless asked: HF's reference runs on the dequantized GGUF weights
+        return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB",
+                   **{"quantization": "none", **kw})
 
 
 def record_steps(llm: LLM) -> list[dict[str, int]]:

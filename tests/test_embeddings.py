@@ -108,6 +108,27 @@ def test_bad_pooling_requests(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_matryoshka_dimensions_truncate_then_normalise(reference, sentences, tmp_path):
+    """A model that declares Matryoshka training (config.json's matryoshka_dimensions; here a copy of MiniLM's
+    directory with the key added) may be asked for fewer `dimensions`: the first d components of the pooled
+    vector, renormalised (vLLM's rule), i.e. sentence-transformers' vector cut to d and normalised."""
+    from tokenmill import LLM
+    for name in os.listdir(minilm_path()):
+        os.symlink(os.path.join(minilm_path(), name), tmp_path / name)
+    with open(os.path.join(minilm_path(), "config.json")) as f:
+        config = json.load(f)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [384, 128, 64]}))
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert llm.engine.matryoshka
+    ours = torch.tensor([o.outputs.embedding for o in llm.embed(sentences[:8], PoolingParams(dimensions=64),
+                                                                  use_tqdm=False)])
+    ref = F.normalize(reference.encode(sentences[:8], convert_to_tensor=True)[:, :64], dim=-1)
+    assert ours.shape == (8, 64)
+    assert F.cosine_similarity(ours, ref, dim=-1).min().item() >= 0.9999
+    assert torch.allclose(ours.norm(dim=-1), torch.ones(8), atol=1e-5)
+
+
 def test_encoder_cannot_run_generate():
     from tokenmill import LLM
     with pytest.raises(ValueError, match="BertModel is an encoder"):

@@ -78,14 +78,16 @@ def make_llm(path: str, **kw) -> LLM:
     """A fresh engine per configuration, over weights dequantized once (the model holds no per-engine state)."""
     real = runner_module.load_model
 
-    def load_once(info, dtype, device, max_positions):
+    def load_once(info, *args):
         if "model" not in _WEIGHTS:
-            _WEIGHTS["model"] = real(info, dtype, device, max_positions)
+            _WEIGHTS["model"] = real(info, *args)
         return _WEIGHTS["model"]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runner_module, "load_model", load_once)
-        return LLM(path, device="cpu", dtype="float32", max_model_len=1280, kv_cache_memory="128MiB", **kw)
+        # quantization none: compared with HF's float32 model on the dequantized GGUF weights
+        return LLM(path, device="cpu", dtype="float32", max_model_len=1280, kv_cache_memory="128MiB",
+                   **{"quantization": "none", **kw})
 
 
 def check(llm: LLM, prompts: list[list[int]], reference) -> list:
@@ -136,3 +138,19 @@ def test_gemma3_chat_template(gemma3_gguf):
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n"
                     "<start_of_turn>model\nHello.<end_of_turn>\n"
                     "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_gemma3_generation_ends_at_end_of_turn(gemma3_gguf):
+    """The file declares <eos> (1) as its EOS, but Gemma ends a turn with <end_of_turn> (106): like vLLM (its
+    generation_config) and llama.cpp (its end-of-generation tokens), the engine stops there unless ignore_eos.
+    (This 270M base model rarely emits it on its own; a logit bias makes it the next token.)"""
+    llm = make_llm(gemma3_gguf)
+    assert llm.engine.model_info.eos_token_ids == {1, 106}
+    messages = [{"role": "user", "content": "Hi!"}]
+    biased = dict(temperature=0.0, max_tokens=4, logit_bias={106: 100.0})
+    out = llm.chat(messages, SamplingParams(**biased), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.text) == ([106], "stop", "")
+    out = llm.chat(messages, SamplingParams(**biased, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([106] * 4, "length")
+    out = llm.chat(messages, SamplingParams(**biased, min_tokens=2), use_tqdm=False)[0].outputs[0]
+    assert 106 not in out.token_ids[:2] and out.finish_reason == "stop"  # banned until min_tokens, as EOS is

@@ -69,7 +69,7 @@ async def test_a_stream_left_unread_is_aborted():
     client = EngineClient(EngineConfig())
     aborted = []
     client.abort = lambda ids, reason="abort": aborted.extend(ids)
-    client.add_request = lambda *args: None
+    client.add_requests = lambda *args: None
     client.stream_stall_timeout_s = 0.2
 
     class Tok:

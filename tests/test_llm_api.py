@@ -17,7 +17,8 @@ OTHER_PROMPTS = ["Once upon a time", "The best way to learn a new language is", 
 @pytest.fixture(scope="module")
 def llm():
     # 256 MiB of KV cache cannot hold one sequence of the model's 8192 positions: cap the length.
-    yield from single_threaded_llm(kv_cache_memory="256MiB", max_model_len=2048)
+    # quantization none: logprobs are compared with HF's float32 model on the dequantized GGUF weights
+    yield from single_threaded_llm(kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
 
 
 def gen(llm, prompts, params):

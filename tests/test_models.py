@@ -162,3 +162,17 @@ def test_pickled_weights_are_refused_and_never_unpickled(tmp_path):
         LLM(model=str(tmp_path), dtype="float32", device="cpu")
     assert "safetensors" in str(e.value)
     assert not os.path.exists(marker)
+
+
+def test_model_eos_token_ids(tmp_path):
+    """The ids that end a generation besides the tokenizer's EOS: generation_config.json's eos_token_id (an id or
+    a list) for an HF directory, as vLLM reads it; the GGUF EOS (and eot/eom and llama.cpp's end-of-generation
+    texts) for a GGUF. SmolLM2's <|endoftext|> is not among them (neither HF nor vLLM stops there)."""
+    from tokenmill.models.loader import generation_eos_token_ids, load_model_config
+    from tokenmill.models.paths import default_model_path
+    assert generation_eos_token_ids(str(tmp_path)) == frozenset()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
+    assert generation_eos_token_ids(str(tmp_path)) == {1, 106}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert generation_eos_token_ids(str(tmp_path)) == {7}
+    assert load_model_config(default_model_path()).eos_token_ids == {2}

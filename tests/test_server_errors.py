@@ -23,7 +23,7 @@ CHAT_CASES = [
     ({"temperature": "hot"}, "temperature", "temperature"),
     ({"n": 9}, "n", "at most 8"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "wizard"),
-    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", "greater than max allowed: 20"),  # vLLM's words
     ({"priority": 3}, "priority", "priority"),
 ]
 

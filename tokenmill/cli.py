@@ -10,6 +10,8 @@ import sys
 
 # (name, help, module, entry point); the module has add_cli_args(parser)
 SERVE = ("serve", "serve a model behind the OpenAI API", "tokenmill.server.api_server", "run_from_cli")
+ROUTER = ("router", "an OpenAI-compatible gateway over several replicas, routing on their KV caches",
+          "tokenmill.router.app", "run_from_cli")
 BENCHES = [
     ("throughput", "offline throughput of the engine", "tokenmill.bench.throughput", "main"),
     ("step", "where one engine step's time goes: ops, sampling, scheduling, front end", "tokenmill.bench.step",
@@ -29,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    name, help_, module, entry = SERVE
-    serve = sub.add_parser(name, help=help_)
-    if argv[:1] == [name]:
-        _attach(serve, module, entry)
+    for name, help_, module, entry in (SERVE, ROUTER):
+        parser_ = sub.add_parser(name, help=help_)
+        if argv[:1] == [name]:
+            _attach(parser_, module, entry)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     for name, help_, module, entry in BENCHES:

@@ -7,6 +7,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from tokenmill.engine.kv_events import KVEventsConfig
+from tokenmill.engine.spec_decode.config import SpeculativeConfig
 from tokenmill.reasoning import ReasoningSpec, reasoning_spec
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -48,11 +50,23 @@ class EngineConfig(CliConfig):
     dtype: str = field(default="auto", metadata={"help": "auto|bfloat16|float16|float32",
                                                   "choices": ["auto", "bfloat16", "float16", "float32"]})
     device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})
+    quantization: str = field(default="auto", metadata={
+        "help": "weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized, other types are dequantized; an HF "
+                "model stays as it is) | none (dequantize everything to --dtype) | gguf (auto, but only for a GGUF) | "
+                "int8 (symmetric, per block of 32) | int4 (group-wise, group 32, with a min): quantized at load",
+        "choices": ["auto", "none", "gguf", "int8", "int4"]})
     seed: int = field(default=0, metadata={"help": "seed for unseeded sampling"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_memory: str = field(default="auto", metadata={
         "help": "KV pool size: bytes ('4GiB', '512MiB'), a fraction of free memory ('0.3'), or auto"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache element: auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e5m2 | int8: one byte, so "
+                "twice the tokens of bf16 in the same memory (scales: tokenmill/models/kv_quant.py)",
+        "choices": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]})
+    calculate_kv_scales: bool = field(default=False, metadata={
+        "help": "fp8 KV cache: scales from the first forward pass's K/V amax (vLLM's rule) instead of 1.0; int8 "
+                "always calculates them"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "force the number of KV blocks"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests in one batch"})
@@ -63,15 +77,31 @@ class EngineConfig(CliConfig):
     attention_backend: str = field(default="auto", metadata={
         "help": "auto (tokenmill's CPU kernels where they serve, else torch_sdpa) | cpu | torch_sdpa (the pure-torch "
                 "reference)", "choices": ["auto", "cpu", "torch_sdpa"]})
-    max_logprobs: int = field(default=20, metadata={"help": "most logprobs a request may ask for"})
+    max_logprobs: int = field(default=20, metadata={
+        "help": "most logprobs (or prompt logprobs) a request may ask for; -1: the whole vocabulary"})
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "split <think> reasoning into reasoning_content: deepseek_r1|qwen3", "choices": ["deepseek_r1", "qwen3"]})
     think_start_str: str | None = field(default=None, metadata={
         "help": "the string that opens reasoning (default <think>; alone, it turns reasoning on)"})
     think_end_str: str | None = field(default=None, metadata={
         "help": "the string that closes reasoning (default </think>)"})
+    kv_events_config: KVEventsConfig | None = field(default=None, metadata={
+        "type": KVEventsConfig.from_json,
+        "help": "publish KV cache events in vLLM's format, as vLLM's JSON: "
+                '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+                '"topic": "kv@replica-1@SmolLM2"}\' (the ZMQ PUB endpoint, a ROUTER endpoint that replays missed '
+                "batches, buffer_steps, hwm, max_queue_size, publisher zmq|null)"})
+
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata={
+        "type": SpeculativeConfig.parse,
+        "help": "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or '{\"method\": \"suffix\"}' "
+                "(suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, _min_token_prob); draft "
+                "lengths adapt to each request's acceptance and the batch size unless \"adaptive\": false "
+                "(tokenmill/engine/spec_decode/)"})
 
     def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # LLM(...) may pass a dict
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1) or self.max_num_seqs < 1:

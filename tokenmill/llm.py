@@ -1,4 +1,5 @@
-"""Offline batch generation, `LLM(model).generate(prompts, SamplingParams(...))`, and embedding,
+"""Offline batch generation, `LLM(model).generate(prompts, SamplingParams(...))`, beam search
+(`.beam_search(prompts, BeamSearchParams(...))`), and embedding,
 `LLM(model, runner="pooling").embed(texts)` / `.score(query, docs)`, in one process."""
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 
 from tqdm import tqdm
 
+from tokenmill.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all, check_beam_width,
+                                   live_beams)
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine import EngineCore
@@ -53,6 +56,42 @@ class LLM:
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         tracked = [self._add(p, i, params, 0) for p, i in zip(prompts, ids)]
         return self._run(tracked, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (tokenmill/beam_search.py): the beam_width best sequences of each prompt, best
+        first; a sequence's tokens and text hold the prompt too, as vLLM's do. prompts: strings, token-id lists, or
+        vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts. Each step runs the live beams of every prompt as
+        one batch of one-token requests, which share their prefixes' KV blocks through the prefix cache."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        eos = self.tokenizer.eos_token_id
+        check_beam_width(params.beam_width, self.config.max_logprobs)
+        searches = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+            self.engine.check_request(ids, SamplingParams(max_tokens=params.max_tokens))  # the whole search fits
+            searches.append(BeamSearch(ids, params, eos))
+        step_params = params.step_params()
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        while not all(s.done for s in searches):
+            rids = [str(next(self._ids)) for _ in live_beams(searches)]
+            for rid, tokens in zip(rids, live_beams(searches)):
+                self.engine.add_request(rid, tokens, step_params, eos)
+            results = {}
+            while len(results) < len(rids):
+                for o in self.engine.step():
+                    if o.finish_reason is not None:
+                        results[o.request_id] = o.logprobs[0] if o.logprobs else None
+            advance_all(searches, [results[rid] for rid in rids])
+            bar.update(1)
+        bar.close()
+        outputs = [BeamSearchOutput(s.best()) for s in searches]
+        for out in outputs:
+            for beam in out.sequences:
+                beam.text = self.tokenizer.decode(beam.tokens)
+        return outputs
 
     def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:

@@ -11,8 +11,9 @@ import random
 import re
 from dataclasses import dataclass, field
 
-DATASETS = ("random", "sharegpt", "prefix", "multiturn")
+DATASETS = ("random", "sharegpt", "prefix", "multiturn", "copy")
 SHAREGPT_DEFAULT = os.path.join(os.path.dirname(__file__), "data", "sharegpt_synthetic.json")
+COPY_DEFAULT = os.path.join(os.path.dirname(__file__), "data", "copy_edit.json")  # data/make_copy_edit.py
 
 
 @dataclass
@@ -124,6 +125,19 @@ def sharegpt_sessions(pool: WordPool, path: str, num: int, output_len_override: 
     return sessions
 
 
+def copy_sessions(pool: WordPool, path: str, num: int, seed: int) -> list[Session]:
+    """Copy-heavy prompts (repeat or lightly edit a given text: data/make_copy_edit.py); the output length is the
+    text's length in tokens, what a faithful answer needs. Prompts repeat in order when num exceeds the file."""
+    with open(path) as f:
+        entries = json.load(f)
+    random.Random(seed).shuffle(entries)
+    sessions = []
+    for i in range(num):
+        entry = entries[i % len(entries)]
+        sessions.append(Session([Turn(entry["prompt"], pool.count(entry["prompt"]), pool.count(entry["text"]))]))
+    return sessions
+
+
 def build_sessions(args, pool: WordPool, num: int, seed: int) -> list[Session]:
     """The workload of one level (num sessions) from the CLI flags."""
     if args.dataset == "random":
@@ -138,4 +152,6 @@ def build_sessions(args, pool: WordPool, num: int, seed: int) -> list[Session]:
                                   args.output_len_stddev, args.think_time, seed)
     if args.dataset == "sharegpt":
         return sharegpt_sessions(pool, args.dataset_path or SHAREGPT_DEFAULT, num, args.sharegpt_output_len, seed)
+    if args.dataset == "copy":
+        return copy_sessions(pool, args.dataset_path or COPY_DEFAULT, num, seed)
     raise ValueError(f"unknown dataset {args.dataset!r}; choose from {DATASETS}")

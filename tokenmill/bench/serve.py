@@ -37,7 +37,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer used to make prompt lengths exact (default: the default model's)")
     parser.add_argument("--dataset", choices=datasets.DATASETS, default="random")
-    parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: the synthetic one shipped)")
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: the synthetic one shipped), "
+                        "or for copy a JSON list of {prompt, text} (default: data/copy_edit.json)")
     parser.add_argument("--input-len", type=int, default=256, help="mean prompt tokens (prefix: unique tokens)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--input-len-stddev", type=float, default=0)
@@ -284,6 +285,8 @@ def dataset_info(args) -> dict:
     elif args.dataset == "sharegpt":
         info.update(path=os.path.basename(args.dataset_path or datasets.SHAREGPT_DEFAULT),
                     sharegpt_output_len=args.sharegpt_output_len)
+    elif args.dataset == "copy":
+        info.update(path=os.path.basename(args.dataset_path or datasets.COPY_DEFAULT))
     return info
 
 

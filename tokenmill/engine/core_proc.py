@@ -19,9 +19,12 @@ import zmq
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
+from tokenmill.engine.host_memory import release_freed_memory
+from tokenmill.engine.kv_event_publisher import ZmqEventPublisher, make_publisher
 from tokenmill.engine.messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     EngineCoreOutputs,
     EngineInput,
     EngineReady,
@@ -56,6 +59,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         from tokenmill.engine.engine import EngineCore
         engine = EngineCore(config)
+        publisher = make_publisher(config.kv_events_config)  # a taken port fails the start-up here
+        if publisher is not None:
+            engine.kv_cache.enable_events()
     except BaseException as e:  # noqa: BLE001 - report any failure to load, then exit
         if isinstance(e, (ValueError, FileNotFoundError)):  # a configuration problem: the message says it all
             logger.error("engine failed to start: %s", e)
@@ -70,8 +76,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.send(encoder.encode(EngineReady(
         engine.max_model_len, engine.runner.vocab_size, config.max_logprobs, config.scheduling_policy,
         engine.kv_cache.num_blocks, engine.kv_cache.block_size, config.enable_prefix_caching, engine.runner_type,
-        engine.matryoshka)))
-    EngineCoreLoop(engine, inputs, outputs, parent_pid).run()
+        engine.matryoshka, config.kv_cache_dtype)))
+    EngineCoreLoop(engine, inputs, outputs, parent_pid, publisher).run()
 
 
 def _set_engine_threads(config: EngineConfig) -> None:
@@ -90,8 +96,10 @@ def _set_engine_threads(config: EngineConfig) -> None:
 
 
 class EngineCoreLoop:
-    def __init__(self, engine, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int):
+    def __init__(self, engine, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int,
+                 kv_event_publisher: ZmqEventPublisher | None = None):
         self.engine = engine
+        self.kv_event_publisher = kv_event_publisher
         self.inputs = inputs
         self.outputs = outputs
         self.parent_pid = parent_pid
@@ -108,6 +116,10 @@ class EngineCoreLoop:
             self._drain_inputs()
             stepped = self.engine.has_unfinished_requests()
             outputs = self.engine.step() if stepped else []
+            if stepped and self.kv_event_publisher is not None:
+                events = self.engine.kv_cache.take_events()
+                if events:
+                    self.kv_event_publisher.publish(events)
             if stepped or self.errors or self.stats_queries or self.aborted:
                 stats = [StatsReply(q, self.engine.scheduler_stats()) for q in self.stats_queries]
                 # Every change of state is reported (an abort frees blocks with no step after it), so the server's
@@ -120,6 +132,8 @@ class EngineCoreLoop:
                 self.errors, self.stats_queries, self.aborted = [], [], False
 
     def _wait_for_input(self) -> None:
+        if not self.inputs.poll(0):
+            release_freed_memory()  # falling idle: the steps' freed heap goes back to the OS
         while not self.inputs.poll(_IDLE_POLL_MS):
             if os.getppid() != self.parent_pid:
                 logger.info("the API server is gone; exiting")
@@ -147,6 +161,9 @@ class EngineCoreLoop:
             except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
                 logger.exception("add_request %s failed", msg.request_id)
                 self.errors.append(RequestError(msg.request_id, f"{type(e).__name__}: {e}"))
+        elif isinstance(msg, AddRequests):
+            for request in msg.requests:
+                self._handle(request)
         elif isinstance(msg, AbortRequests):
             for request_id in msg.request_ids:
                 self.engine.abort_request(request_id)

@@ -16,6 +16,7 @@ from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats, validate
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.spec_decode.speculator import Speculator
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.models.loader import load_model_config
 from tokenmill.models.paths import resolve_model_path
@@ -73,21 +74,29 @@ class EngineCore:
             self.think_ids = encode(self.reasoning.start), encode(self.reasoning.end)
         self.runner.structured = self.structured
         self.scheduler.is_ready = lambda request: self.structured.ready(request.request_id)
+        self.speculator = None
+        if config.speculative_config is not None and self.runner_type == "generate":
+            self.speculator = self.scheduler.speculator = Speculator(config.speculative_config)
 
     @property
     def matryoshka(self) -> bool:
         """The model's embeddings may be cut to fewer `dimensions` (and renormalised)."""
         return self.pooler is not None and self.pooler.matryoshka
 
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> int:
+        """Raises ParamError if the engine cannot take the request; returns its max_tokens."""
+        check_generate_runner(self.runner_type)
+        return validate_request(prompt_token_ids, params, priority, self.max_model_len, self.config.max_logprobs,
+                                self.runner.vocab_size, self.scheduler.policy,
+                                self.kv_cache.num_blocks * self.kv_cache.block_size, self.reasoning is not None)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None = None, priority: int = 0, arrival_time: float | None = None,
                     extra_keys: tuple = ()) -> Request:
-        check_generate_runner(self.runner_type)
-        max_tokens = validate_request(prompt_token_ids, params, priority, self.max_model_len,
-                                      self.config.max_logprobs, self.runner.vocab_size, self.scheduler.policy,
-                                      self.kv_cache.num_blocks * self.kv_cache.block_size, self.reasoning is not None)
+        max_tokens = self.check_request(prompt_token_ids, params, priority)
         request = Request(request_id, prompt_token_ids, params, eos_token_id, max_tokens, priority,
                           extra_keys, arrival_time)
+        request.eos_token_ids |= self.model_info.eos_token_ids
         if self.reasoning is not None and (params.thinking_token_budget is not None
                                            or params.structured_outputs is not None):
             request.thinking = ThinkingTracker(self.reasoning, *self.think_ids, prompt_token_ids,
@@ -126,6 +135,9 @@ class EngineCore:
         now = time.monotonic()
         outputs = failed
         for r in sched.requests:
+            if r.spec_token_ids:
+                outputs.append(self._accept_verified(r, result.verified[r.request_id]))
+                continue
             r.num_computed_tokens += sched.num_scheduled_tokens[r.request_id]
             if r.pooling is not None:  # done in its one step
                 r.times.first_token = now
@@ -153,6 +165,28 @@ class EngineCore:
             outputs.append(self._output(r, [token], [lp] if lp else None, prompt_lp))
         return outputs
 
+    def _accept_verified(self, r: Request, emitted: list[int]) -> EngineCoreOutput:
+        """A request verified with drafts (spec_decode/): emitted holds its accepted drafts and the token after
+        them. They are appended one by one, so the request ends at the first stop token, EOS or length limit
+        among them, and no token after that one is output."""
+        drafts, r.spec_token_ids = r.spec_token_ids, []
+        self.speculator.record(r, len(drafts), len(emitted) - 1)
+        start = r.num_computed_tokens
+        tokens, status = [], None
+        for token in emitted:
+            r.append_output_token(token)
+            tokens.append(token)
+            status = self._check_stop(r, token)
+            if status is not None:
+                break
+        # The input token and the accepted drafts up to the last one kept have K/V; the token after the drafts
+        # never does (it is computed next step). Blocks they filled are cached, even when the request ends here.
+        r.num_computed_tokens = start + 1 + min(len(tokens), len(emitted) - 1)
+        self.kv_cache.keep_verified(r, start)
+        if status is not None:
+            self.scheduler.finish(r, status)
+        return self._output(r, tokens, None, None)
+
     def _abort_failed(self, request_id: str) -> EngineCoreOutput:
         request = self.scheduler.abort(request_id)
         return self._output(request, [], None, None)
@@ -160,7 +194,7 @@ class EngineCore:
     def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
         p = r.params
         if r.num_output_tokens >= p.min_tokens:
-            if (token == r.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            if (token in r.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
         if r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -173,10 +207,15 @@ class EngineCore:
                                 t.finished or 0.0, pooled)
 
     def scheduler_stats(self, step_tokens: int = 0) -> SchedulerStats:
-        s, kv = self.scheduler, self.kv_cache
-        return SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.prefix_cache_queries,
-                              kv.prefix_cache_hits, s.num_preemptions, step_tokens, self.num_steps,
-                              self.structured.mask_time_s)
+        s, kv, spec = self.scheduler, self.kv_cache, self.speculator
+        stats = SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.prefix_cache_queries,
+                               kv.prefix_cache_hits, s.num_preemptions, step_tokens, self.num_steps,
+                               self.structured.mask_time_s, self.structured.num_compiling)
+        if spec is not None:
+            stats.spec_num_drafts, stats.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_accepted_per_pos = list(spec.accepted_per_pos)
+        return stats
 
     def stats(self) -> dict:
         """scheduler_stats() as a dict, plus the pool's shape (for the offline API and benchmarks)."""

@@ -1,38 +1,18 @@
 """Paged KV cache bookkeeping: a pool of fixed-size blocks, per-request block tables and prefix caching.
 
 The tensors themselves live in the model runner; this module only decides which block ids a request owns.
-A full block is keyed by hash_block_tokens(parent, tokens, extra_keys), so a shared prefix maps to the same
-chain of keys in every process (the router uses the same function to predict cache hits).
+A full block is keyed by block_hash.hash_block_tokens(parent, tokens, extra_keys), so a shared prefix maps to the
+same chain of keys in every process (the router uses the same function to predict cache hits).
 """
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
-
+from tokenmill.engine.block_hash import hash_block_tokens, hash_request_blocks  # noqa: F401 - re-exported
+from tokenmill.engine.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 from tokenmill.engine.request import Request
-
-_ROOT_HASH = b"tokenmill-kv-root"
-_encode = msgspec.msgpack.Encoder().encode
-
-
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
-    """SHA-256 key of one full block; deterministic across processes and Python hash seeds."""
-    payload = _encode((parent_hash or _ROOT_HASH, list(token_ids), list(extra_keys)))
-    return hashlib.sha256(payload).digest()
-
-
-def hash_request_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple = (),
-                        known: list[bytes] | None = None) -> list[bytes]:
-    """The hash chain of every full block of token_ids, extending `known` (a prefix of the chain) in place."""
-    hashes = known if known is not None else []
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hashes[i - 1] if i else None
-        hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys))
-    return hashes
 
 
 @dataclass(eq=False)
@@ -53,6 +33,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.events: list[KVEvent] | None = None  # KV events since the last take, when they are published
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,15 +41,18 @@ class BlockPool:
 
     def take_fresh(self, n: int) -> list[KVCacheBlock]:
         assert n <= len(self.free_queue), "caller must check num_free_blocks"
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                evicted.append(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.events is not None:
+            self.events.append(BlockRemoved(evicted, MEDIUM_GPU))
         return out
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -87,10 +71,13 @@ class BlockPool:
                 if block.block_hash is None:  # holds nothing reusable: hand it out before cached blocks
                     self.free_queue.move_to_end(block.block_id, last=False)
 
-    def cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
+    def cache(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """True if block_hash is new to the cache (a duplicate of a cached block stays unregistered)."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
 
 class KVCacheManager:
@@ -144,9 +131,21 @@ class KVCacheManager:
             table.extend(computed_blocks)
         if need > 0:
             table.extend(self.pool.take_fresh(need))
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, table, num_computed, num_computed + num_new_tokens)
+        if self.enable_prefix_caching:  # drafts (past num_tokens) are never cached: see keep_verified
+            self._cache_full_blocks(request, table, num_computed, min(num_computed + num_new_tokens,
+                                                                      request.num_tokens))
         return True
+
+    def keep_verified(self, request: Request, first_token: int) -> None:
+        """After a speculative step that started at first_token: cache the blocks that accepted drafts filled
+        (request.num_computed_tokens now counts them), and free the blocks that only rejected drafts reached."""
+        table = self.block_tables[request.request_id]
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if len(table) > keep:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, table, first_token, request.num_computed_tokens)
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += request.num_tokens
@@ -162,8 +161,36 @@ class KVCacheManager:
         if len(request.block_hashes) < last:
             hash_request_blocks(request.all_token_ids[:last * self.block_size], self.block_size,
                                 request.extra_keys, request.block_hashes)
-        for i in range(first, last):
-            self.pool.cache(table[i], request.block_hashes[i])
+        stored = [i for i in range(first, last) if self.pool.cache(table[i], request.block_hashes[i])]
+        if stored and self.pool.events is not None:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, stored: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks, chained to the block before the run."""
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        bs, hashes = self.block_size, request.block_hashes
+        for run in runs:
+            first, last = run[0], run[-1] + 1
+            self.pool.events.append(BlockStored(
+                hashes[first:last], hashes[first - 1] if first else None,
+                request.all_token_ids[first * bs:last * bs], bs, None, MEDIUM_GPU, None,
+                [list(request.extra_keys)] * len(run) if request.extra_keys else None))
+
+    def enable_events(self) -> None:
+        """Record BlockStored/BlockRemoved events from now on, for take_events() (--kv-events-config)."""
+        self.pool.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request.request_id, [])

@@ -1,7 +1,7 @@
 """The messages that cross the engine process boundary, and the request checks both sides apply.
 
 Two ZMQ PUSH/PULL sockets over ipc:// carry msgpack (msgspec, the typed Structs below):
-  API server → engine: AddRequest | AbortRequests | StatsQuery
+  API server → engine: AddRequest | AddRequests | AbortRequests | StatsQuery
   engine → API server: EngineReady | EngineStartupFailed (once), then EngineCoreOutputs (one per step)
 
 This module imports no torch (nor anything that does): the API server process, the router and the benchmarks
@@ -38,6 +38,12 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     pooling: PoolingParams | None = None  # set: embed the prompt (params is then unused), no generation
 
 
+class AddRequests(msgspec.Struct, tag="add_many", array_like=True):
+    """Requests that must start in the same step (the n samples of a request, one beam-search step's beams): one
+    message, so the engine's non-blocking drain sees all of them or none."""
+    requests: list[AddRequest]
+
+
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
@@ -46,7 +52,7 @@ class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
     query_id: int
 
 
-EngineInput = AddRequest | AbortRequests | StatsQuery
+EngineInput = AddRequest | AddRequests | AbortRequests | StatsQuery
 
 
 # ---- engine → API server ----
@@ -74,9 +80,16 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
     num_preemptions: int
-    step_tokens: int = 0  # tokens this step computed (prompt and generated): vllm:iteration_tokens_total
+    step_tokens: int = 0  # tokens this step computed (prompt and generated), for the step profile
     num_steps: int = 0
     grammar_mask_time_s: float = 0.0  # spent filling structured-output bitmasks
+    num_waiting_deferred: int = 0  # of num_waiting: held back while their grammar compiles (vLLM's "deferred")
+    # speculative decoding (vLLM's spec_decode counters): verification steps with drafts, drafts, accepted
+    # drafts, and accepted drafts by position (index 0: the first draft)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -89,6 +102,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     enable_prefix_caching: bool
     runner: str = "generate"  # or "pooling": which endpoints the server may take (the other kind is a 400)
     matryoshka: bool = False  # whether a pooling request may ask for fewer `dimensions`
+    cache_dtype: str = "auto"  # --kv-cache-dtype, for vllm:cache_config_info
 
 
 class EngineStartupFailed(msgspec.Struct, tag="failed", array_like=True):
@@ -141,8 +155,11 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, priori
     if max_tokens < 1:
         raise ParamError(f"the prompt ({n_prompt} tokens) leaves no room to generate within "
                          f"max_model_len={max_model_len}", "prompt")
-    if (params.logprobs or 0) > max_logprobs or (params.prompt_logprobs or 0) > max_logprobs:
-        raise ParamError(f"at most {max_logprobs} logprobs may be requested", "logprobs")
+    limit = vocab_size if max_logprobs == -1 else max_logprobs  # --max-logprobs -1: the whole vocabulary (vLLM)
+    for kind, param, num in (("sample", "logprobs", params.logprobs), ("prompt", "prompt_logprobs",
+                                                                      params.prompt_logprobs)):
+        if (num or 0) > limit:
+            raise ParamError(f"Requested {kind} logprobs of {num}, which is greater than max allowed: {limit}", param)
     for param, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
                        ("logit_bias", list(params.logit_bias or ()))):
         bad = [t for t in ids if not 0 <= t < vocab_size]

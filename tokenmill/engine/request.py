@@ -40,7 +40,8 @@ class Request:
         # all_token_ids is what the KV cache holds: prompt + output, recomputed as one prompt after preemption.
         self.all_token_ids = list(prompt_token_ids)
         self.params = params
-        self.eos_token_id = eos_token_id
+        # the ids that end this generation unless ignore_eos: the EOS and the model's others (ModelInfo)
+        self.eos_token_ids = frozenset() if eos_token_id is None else frozenset([eos_token_id])
         self.max_tokens = max_tokens
         self.priority = priority
         self.extra_keys = extra_keys  # e.g. LoRA id or cache_salt: enters every block hash
@@ -57,6 +58,10 @@ class Request:
         self.prompt_logprobs: list[dict | None] = []
         self.thinking = None  # a ThinkingTracker, for reasoning requests with a thinking budget or a grammar
         self.pooling = None  # PoolingParams: embedded in one step, never decoded
+        # Speculative decoding: the drafts scheduled after the last token this step (spec_decode/), and a seeded
+        # request's generator state before verification drew its uniforms.
+        self.spec_token_ids: list[int] = []
+        self.spec_generator_state = None
 
     @property
     def is_thinking(self) -> bool:

@@ -1,9 +1,7 @@
 """Owns the model and the KV tensors; turns a SchedulerOutput into one forward pass and sampled tokens."""
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,11 +9,14 @@ import psutil
 import torch
 
 from tokenmill.config import EngineConfig, parse_memory
+from tokenmill.engine.host_memory import keep_freed_memory_in_process
 from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler, logprob_entries
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.engine.spec_decode.rejection_sampler import verify
 from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, get_attention_backend
+from tokenmill.models.kv_quant import kv_storage_dtype, needs_calibration
 from tokenmill.models.loader import ModelInfo, load_model, resolve_dtype
 
 logger = logging.getLogger("tokenmill.runner")
@@ -29,22 +30,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]
     pooled: dict[str, list[float]] = field(default_factory=dict)  # request_id → vector, for pooling requests
-
-
-def keep_freed_memory_in_process() -> None:
-    """glibc returns large freed blocks to the OS (mmap above a dynamic threshold, heap trimming), so every
-    step's activations (megabytes per layer in a prefill) came back as fresh pages to fault in and zero: ~10% of
-    a 2048-token prefill step. Serve allocations up to 32 MiB (glibc's maximum threshold) from the heap and
-    never trim it; the high-water mark is one step's activations. What tcmalloc does for vLLM-CPU."""
-    if sys.platform != "linux":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 << 20)
-    libc.mallopt(m_trim_threshold, 1 << 30)
+    # request_id → its accepted drafts and the token after them, for requests scheduled with drafts
+    verified: dict[str, list[int]] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,7 +54,7 @@ class ModelRunner:
         self.device = runner_device(config)
         self.dtype = resolve_dtype(config.dtype, info.hf_config, self.device)
         self.block_size = config.block_size
-        self.model = load_model(info, self.dtype, self.device, max_model_len)
+        self.model = load_model(info, self.dtype, self.device, max_model_len, config.quantization)
         self.backend = get_attention_backend(config.attention_backend, self.device, self.dtype, self.block_size,
                                              self.model.head_dim)
         kernels = self.backend.ops if isinstance(self.backend, CPUKernelBackend) else None
@@ -76,19 +63,26 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, self.device, config.seed, kernels)
         self.structured = None  # the engine's StructuredOutputManager
         self.pooler = None  # a PoolerConfig when a decoder runs with --runner pooling (set by the engine)
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.num_blocks = self._num_blocks(max_model_len)
-        k_shape, v_shape = self.backend.kv_cache_shapes(self.num_blocks, self.block_size, self.model.num_kv_heads,
+        layers, kv_heads = len(self.model.layers), self.model.num_kv_heads
+        k_shape, v_shape = self.backend.kv_cache_shapes(self.num_blocks, self.block_size, kv_heads,
                                                         self.model.head_dim)
-        self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(v_shape, dtype=self.dtype, device=self.device))
-                          for _ in range(len(self.model.layers))]
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB, dtype %s",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-                    self.num_blocks * self._block_bytes() / 1024**3, self.dtype)
+        # Per layer: K, V and their scales [2, kv_heads, head_dim] (read only for one-byte dtypes: kv_quant.py).
+        self.kv_scales = torch.ones(layers, 2, kv_heads, self.model.head_dim, dtype=torch.float32,
+                                    device=self.device)
+        self.kv_caches = [(torch.zeros(k_shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(v_shape, dtype=self.kv_dtype, device=self.device), self.kv_scales[i])
+                          for i in range(layers)]
+        self.backend.calibrating = needs_calibration(config.kv_cache_dtype, config.calculate_kv_scales)
+        logger.info("KV cache: dtype %s (%s), %d bytes per token, %d blocks of %d tokens = %d tokens, %.2f GiB",
+                    config.kv_cache_dtype, str(self.kv_dtype).removeprefix("torch."),
+                    self._block_bytes() // self.block_size, self.num_blocks, self.block_size,
+                    self.num_blocks * self.block_size, self.num_blocks * self._block_bytes() / 1024**3)
 
     def _block_bytes(self) -> int:
         per_token = 2 * len(self.model.layers) * self.model.num_kv_heads * self.model.head_dim
-        return per_token * self.block_size * torch.tensor([], dtype=self.dtype).element_size()
+        return per_token * self.block_size * torch.tensor([], dtype=self.kv_dtype).element_size()
 
     def _num_blocks(self, max_model_len: int) -> int:
         if self.config.num_gpu_blocks_override:
@@ -129,7 +123,8 @@ class ModelRunner:
                 input_ids[offset] = r.all_token_ids[start]
                 positions[offset] = start
             else:
-                input_ids[offset:end] = r.all_token_ids[start:ctx]
+                tokens = r.all_token_ids + r.spec_token_ids if r.spec_token_ids else r.all_token_ids
+                input_ids[offset:end] = tokens[start:ctx]
                 positions[offset:end] = np.arange(start, ctx)
             seq_of_token[offset:end] = i
             num_blocks = -(-ctx // bs)
@@ -154,6 +149,8 @@ class ModelRunner:
         sampling: list[Request] = []
         prompt_lp: list[tuple[Request, int, int]] = []  # (request, first flat index, count)
         pool_rows: list[tuple[Request, int, int]] = []  # the same, for pooling requests
+        verifying: list[Request] = []  # requests with drafts: logits at their last token and every draft
+        verify_rows: list[int] = []
         flat_start = 0
         for r, n in zip(order, query_lens):
             start, end = r.num_computed_tokens, r.num_computed_tokens + n
@@ -161,6 +158,9 @@ class ModelRunner:
                 prompt_lp.append((r, flat_start, min(end, r.num_prompt_tokens) - start))
             if r.pooling is not None:  # scheduled whole (scheduler.py): its last row is its last token
                 pool_rows.append((r, flat_start, n))
+            elif r.spec_token_ids:
+                verifying.append(r)
+                verify_rows.extend(range(flat_start, flat_start + n))
             elif end == r.num_tokens:
                 logits_rows.append(flat_start + n - 1)
                 sampling.append(r)
@@ -168,10 +168,22 @@ class ModelRunner:
 
         input_ids, meta = self._metadata(order, query_lens, block_tables)
         hidden = self.model(input_ids, self.kv_caches, meta, self.backend)
+        if self.backend.calibrating:  # that was the first forward pass: the KV scales are set for good
+            self.backend.calibrating = False
+            logger.info("KV cache scales from the first step's %d tokens: K %.3g..%.3g, V %.3g..%.3g",
+                        input_ids.shape[0], *self.kv_scales[:, 0].aminmax(), *self.kv_scales[:, 1].aminmax())
         out = RunnerOutput({}, {}, {})
+        if verifying:  # one lm_head call for the sampled rows and the verified ones
+            rows = logits_rows + verify_rows
+            all_logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
+            for r, tokens in zip(verifying, verify(self.sampler, all_logits[len(logits_rows):], verifying)):
+                out.verified[r.request_id] = tokens
         if sampling:
-            rows = hidden[logits_rows] if len(logits_rows) < hidden.shape[0] else hidden
-            logits = self.model.compute_logits(rows)
+            if verifying:
+                logits = all_logits[:len(logits_rows)]
+            else:
+                rows = hidden[logits_rows] if len(logits_rows) < hidden.shape[0] else hidden
+                logits = self.model.compute_logits(rows)
             constrain = None
             if self.structured is not None and self.structured.matchers:
                 ids = [None if r.is_thinking else r.request_id for r in sampling]

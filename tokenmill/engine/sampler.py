@@ -100,8 +100,7 @@ class Sampler:
                 logits[i, forced] = 0.0
                 continue
             if r.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None
-                                                   and not p.ignore_eos else [])
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if banned:
                     if not edited:
                         logits, edited = logits.clone(), True
@@ -133,7 +132,10 @@ class Sampler:
         sub = sub - freq * counts - pres * (counts > 0)
         logits[rows] = sub
 
-    def _draw(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+    def target_probs(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        """What each sampled row draws from: logits / temperature, top-k, top-p, then min-p (not renormalised
+        after min-p; sample_inverse_cdf scales by the total). Greedy rows are left at temperature 1. Speculative
+        verification (spec_decode/rejection_sampler.py) draws from the same distributions."""
         dev = logits.device
         temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(requests, greedy)],
                              device=dev)[:, None]
@@ -147,6 +149,11 @@ class Sampler:
         if any(m > 0 for m in min_p):
             floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(probs < floor, 0.0, probs)
+        return probs
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        dev = logits.device
+        probs = self.target_probs(logits, requests, greedy)
         # Inverse CDF: one uniform per row, from the request's own generator when it is seeded. Drawing a noise
         # value per vocabulary entry instead cost 80 ms per step for 64 rows on the CPU.
         uniforms = torch.empty(len(requests), dtype=torch.float64, device=dev)

@@ -73,6 +73,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.is_ready: Callable[[Request], bool] = lambda request: True  # e.g. False while its grammar compiles
+        self.speculator = None  # a spec_decode.Speculator with --speculative-config
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -84,11 +85,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.speculator is not None:  # a decoding request with k drafts is scheduled for k + 1 tokens
+            self.speculator.plan(self.running, budget, self.max_model_len)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
+            del request.spec_token_ids[max(0, num_new - 1):]
             while not self.kv_cache.allocate_slots(request, num_new):
+                if request.spec_token_ids:  # drafts are given up before anyone is preempted
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 victim = self._pick_victim(i)
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -98,6 +106,8 @@ class Scheduler:
                 self._schedule(out, request, num_new)
                 budget -= num_new
                 i += 1
+        for request in self.running[i:]:  # not reached this step
+            request.spec_token_ids = []
 
         # A step that had to preempt has no room for newcomers.
         not_ready: list[Request] = []
@@ -144,6 +154,7 @@ class Scheduler:
         # front of the queue, usually finds its own prefix there again.
         self.running.remove(request)
         self.kv_cache.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -161,6 +172,8 @@ class Scheduler:
         request.status = status
         request.times.finished = time.monotonic()
         self.kv_cache.free(request)
+        if self.speculator is not None:
+            self.speculator.finish(request)
         self.requests.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:

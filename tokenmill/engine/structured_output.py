@@ -102,6 +102,11 @@ class StructuredOutputManager:
     def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
         self._pending[request_id] = self._pool.submit(self.compiler.compile, spec)
 
+    @property
+    def num_compiling(self) -> int:
+        """Requests whose grammar is still compiling: all waiting, since the scheduler admits none of them."""
+        return sum(1 for future in self._pending.values() if not future.done())
+
     def ready(self, request_id: str) -> bool:
         """False while its grammar compiles; the scheduler leaves such a request waiting."""
         future = self._pending.get(request_id)

@@ -14,7 +14,12 @@ block tables stay shared by all layers, and the window is applied when reading.
 - `cpu`: tokenmill's kernels (tokenmill/kernels): RoPE fused with the cache write, and one varlen paged
   attention call for decode rows and prefill chunks together, reading each KV block in place.
 - `torch_sdpa`: gathers each sequence's blocks and calls torch's scaled_dot_product_attention; the reference
-  for the kernels, and the path on CUDA or where the kernels cannot be built."""
+  for the kernels, and the path on CUDA or where the kernels cannot be built.
+
+A layer's cache is (k_cache, v_cache, kv_scales): with --kv-cache-dtype fp8/int8 the caches hold one byte per
+element and kv_scales [2, kv_heads, head_dim] float32 says what a byte is worth (tokenmill/models/kv_quant.py); writes
+quantize, reads dequantize. While `calibrating` (the first forward pass, when the scales are computed), each
+layer sets its scales from its K and V before writing them."""
 from __future__ import annotations
 
 import logging
@@ -22,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.models.kv_quant import as_bytes, calibrate, dequantize, is_one_byte, quantize
 
 logger = logging.getLogger("tokenmill.attention")
 
@@ -52,38 +59,57 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def rotated_qkv(layer, qkv: torch.Tensor, meta: AttentionMetadata, rope=None):
+    """q [T, Hq, D], k and v [T, Hkv, D] from a layer's fused projection: q/k norms, then RoPE."""
+    q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+    q = q.view(-1, layer.num_heads, layer.head_dim)
+    k = k.view(-1, layer.num_kv_heads, layer.head_dim)
+    v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+    if layer.q_norm is not None:
+        q, k = layer.q_norm(q), layer.k_norm(k)
+    rope = rope or meta.rope
+    key = ("cos_sin", q.dtype, id(rope))
+    if key not in meta.derived:
+        meta.derived[key] = rope(meta.positions, q.dtype)
+    cos, sin = meta.derived[key]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 class TorchSDPABackend:
     """Runs on CPU and CUDA with torch ops only."""
 
     name = "torch_sdpa"
+    calibrating = False  # the first forward pass sets the KV scales (see the module docstring)
 
     @staticmethod
     def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return shape, shape
 
-    def forward(self, layer, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, layer, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, sliding_window: int | None = None, rope=None) -> torch.Tensor:
         """layer: the model's Attention (head counts, norms, scale); qkv: [T, (Hq + 2 Hkv) * D]. Returns [T, Hq, D]."""
-        q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-        q = q.view(-1, layer.num_heads, layer.head_dim)
-        k = k.view(-1, layer.num_kv_heads, layer.head_dim)
-        v = v.view(-1, layer.num_kv_heads, layer.head_dim)
-        if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        cos, sin = self._cos_sin(meta, q.dtype, rope or meta.rope)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = kv_cache
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
-        return self._attend(q, k, v, k_cache, v_cache, meta, layer.scale, sliding_window)
+        q, k, v = rotated_qkv(layer, qkv, meta, rope)
+        k_cache, v_cache, kv_scales = kv_cache
+        if is_one_byte(k_cache.dtype):
+            if self.calibrating:
+                calibrate(kv_scales, k, v, k_cache.dtype)
+            kq, vq = quantize(k, kv_scales[0], k_cache.dtype), quantize(v, kv_scales[1], k_cache.dtype)
+            # this step's own keys are read as stored, as the CPU kernel reads them
+            k, v = dequantize(kq, kv_scales[0], q.dtype), dequantize(vq, kv_scales[1], q.dtype)
+            as_bytes(k_cache).view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, as_bytes(kq))
+            as_bytes(v_cache).view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, as_bytes(vq))
+        else:
+            k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+        return self._attend(q, k, v, k_cache, v_cache, kv_scales, meta, layer.scale, sliding_window)
 
     @staticmethod
-    def _cos_sin(meta: AttentionMetadata, dtype: torch.dtype, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        key = ("cos_sin", dtype, id(rope))
-        if key not in meta.derived:
-            meta.derived[key] = rope(meta.positions, dtype)
-        return meta.derived[key]
+    def _gather(cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+        """The blocks [n, block_size, kv_heads, D], dequantized to dtype when the cache is one-byte."""
+        if not is_one_byte(cache.dtype):
+            return gather_blocks(cache, block_ids)
+        return dequantize(gather_blocks(as_bytes(cache), block_ids).view(cache.dtype), scales, dtype)
 
     @staticmethod
     def _decode_inputs(meta: AttentionMetadata, block_size: int,
@@ -102,7 +128,7 @@ class TorchSDPABackend:
             meta.derived[key] = tables.flatten(), mask[:, None, None, :]
         return meta.derived[key]
 
-    def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+    def _attend(self, q, k, v, k_cache, v_cache, kv_scales, meta: AttentionMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
@@ -110,8 +136,8 @@ class TorchSDPABackend:
         if d:
             flat_table, mask = self._decode_inputs(meta, k_cache.shape[1], window)
             kv_shape = (d, -1, k_cache.shape[2], k_cache.shape[3])
-            keys = gather_blocks(k_cache, flat_table).view(kv_shape).transpose(1, 2)
-            values = gather_blocks(v_cache, flat_table).view(kv_shape).transpose(1, 2)
+            keys = self._gather(k_cache, flat_table, kv_scales[0], q.dtype).view(kv_shape).transpose(1, 2)
+            values = self._gather(v_cache, flat_table, kv_scales[1], q.dtype).view(kv_shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
             out[:d] = o.squeeze(2)
@@ -124,8 +150,8 @@ class TorchSDPABackend:
                 ks, vs, mask, causal = k[start:e].transpose(0, 1), v[start:e].transpose(0, 1), None, True
             else:
                 blocks = meta.block_tables[s, :-(-ctx // k_cache.shape[1])].long()
-                ks = gather_blocks(k_cache, blocks).flatten(0, 1)[:ctx].transpose(0, 1)
-                vs = gather_blocks(v_cache, blocks).flatten(0, 1)[:ctx].transpose(0, 1)
+                ks = self._gather(k_cache, blocks, kv_scales[0], q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)
+                vs = self._gather(v_cache, blocks, kv_scales[1], q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)
                 qpos = torch.arange(ctx - n, ctx, device=q.device)
                 kpos = torch.arange(ctx, device=q.device)
                 mask, causal = kpos[None, :] <= qpos[:, None], False
@@ -142,6 +168,7 @@ class CPUKernelBackend:
     """tokenmill's C++ kernels: float32 or bfloat16 on the CPU."""
 
     name = "cpu"
+    calibrating = False  # the first forward pass sets the KV scales (see the module docstring)
 
     BLOCK_SIZES = (16, 32, 64, 128)  # the kernel is compiled for these
     HEAD_DIM_MULTIPLE = 32
@@ -155,18 +182,21 @@ class CPUKernelBackend:
         block is contiguous in both."""
         return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
 
-    def forward(self, layer, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, layer, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, sliding_window: int | None = None, rope=None) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, kv_scales = kv_cache
+        if self.calibrating and is_one_byte(k_cache.dtype):  # once: K and V computed in torch for their amax
+            _, k, v = rotated_qkv(layer, qkv, meta, rope)
+            calibrate(kv_scales, k, v, k_cache.dtype)
         q = torch.empty(qkv.shape[0], layer.num_heads, layer.head_dim, dtype=qkv.dtype)
         norm = layer.q_norm is not None
         rope = rope or meta.rope
         self.ops.rope_and_cache(qkv, meta.positions, rope.cos, rope.sin, k_cache, v_cache,
                                 meta.slot_mapping, q, layer.q_norm.weight if norm else None,
-                                layer.k_norm.weight if norm else None, layer.q_norm.eps if norm else 0.0)
+                                layer.k_norm.weight if norm else None, layer.q_norm.eps if norm else 0.0, kv_scales)
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, layer.scale, sliding_window or 0)
+                                 meta.query_start_loc, layer.scale, sliding_window or 0, kv_scales)
         return out
 
 

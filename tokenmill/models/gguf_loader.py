@@ -1,4 +1,5 @@
-"""GGUF files: config from the metadata, weights dequantized with the gguf package, HF tensor names."""
+"""GGUF files: config from the metadata, HF tensor names, weights dequantized with the gguf package or kept
+quantized (Q4_0, Q4_1, Q8_0: tokenmill/models/quantization.py)."""
 from __future__ import annotations
 
 import re
@@ -8,6 +9,8 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoConfig
+
+from tokenmill.models.quantization import GGUF_KEPT_TYPES, from_gguf
 
 # GGUF architecture → HF architecture and model_type
 _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
@@ -58,13 +61,25 @@ def gguf_config(reader: GGUFReader):
     return AutoConfig.for_model(model_type, **kwargs), arch
 
 
+# Token texts llama.cpp treats as end of generation besides the declared EOS (its EOG set). <|endoftext|> is left
+# out: models that use it as their EOS declare it, and where they do not (SmolLM2) neither HF nor vLLM stop there.
+EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<EOT>", "<end_of_utterance>")
+
+
+def gguf_eos_token_ids(reader: GGUFReader) -> frozenset[int]:
+    ids = {_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")} - {None}
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    return frozenset(ids | {i for i, text in enumerate(tokens) if text in EOG_TEXTS})
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp stores Llama q/k rows interleaved per rotary pair; HF's rotate_half wants the halves split.
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader: GGUFReader, config, arch: str):
-    """Yields (HF name, float32 tensor) for every tensor in the file."""
+def gguf_weights(reader: GGUFReader, config, arch: str, keep_quantized: bool = False):
+    """Yields (HF name, float32 tensor) for every tensor in the file; with keep_quantized, a 2-D tensor of a type
+    the quantized kernels serve (Q4_0, Q4_1, Q8_0) comes as a QuantizedTensor with the same values instead."""
     for t in reader.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
@@ -73,10 +88,19 @@ def gguf_weights(reader: GGUFReader, config, arch: str):
         else:
             base, _, leaf = t.name.rpartition(".")
             name = f"{_GLOBAL_NAMES[base]}.{leaf}"
-        w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        permuted_heads = None
         if arch in ("llama", "mistral") and m and m.group(2) in ("attn_q", "attn_k"):
-            heads = config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
-            w = _unpermute(w, heads)
+            permuted_heads = config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
+        if keep_quantized and len(shape) == 2 and t.tensor_type.name in GGUF_KEPT_TYPES:
+            q = from_gguf(t.data, t.tensor_type.name, shape)
+            if permuted_heads:  # a row reorder: the same on quantized rows
+                q = q.rows(torch.from_numpy(_unpermute(np.arange(shape[0]), permuted_heads)))
+            yield name, q
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        if permuted_heads:
+            w = _unpermute(w, permuted_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's 1 + w; HF's checkpoint names hold w
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the file is mapped read-only

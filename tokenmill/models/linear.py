@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.models.quantization import quant_linear
+
 
 @functools.cache
 def onednn_linear_supported(dtype: torch.dtype) -> bool:
@@ -57,21 +59,39 @@ def pack_small_m(ops, weight: torch.Tensor | None, packed: torch.Tensor | None) 
     return ops.pack_small_m(dense.detach().contiguous())
 
 
+# A weight kept quantized (tokenmill/models/quantization.py) always calls the quantized kernel, which picks its
+# own path by rows (integer dot products for decode-sized batches, dequantize + oneDNN for prefill chunks; the
+# measured threshold is in quant_linear.cpp). No dense copy is kept.
+
+
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's layout
     small_m: torch.Tensor | None = None  # the small-M kernel's layout, when the CPU kernels run
     ops = None
+    quant = None  # a QuantizedWeight replacing weight, when the weight is kept quantized
+    quant_ops = None  # the CPU kernels that serve it
+
+    def set_quantized(self, weight, ops) -> None:
+        self.quant, self.quant_ops, self.weight = weight, ops, None
+
+    def fused_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What llama_forward's layer_linear takes: (oneDNN layout, small-M layout), or (qweight, meta)."""
+        return (self.quant.qweight, self.quant.meta) if self.quant is not None else (self.packed, self.small_m)
 
     def pack(self) -> None:
+        if self.quant is not None:
+            return
         self.packed = pack_weight(self.weight)
         if self.packed is not None:
             self.weight = None
 
     def use_cpu_kernels(self, ops) -> None:
         self.ops = ops
-        self.small_m = pack_small_m(ops, self.weight, self.packed)
+        self.small_m = None if self.quant is not None else pack_small_m(ops, self.weight, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_linear(self.quant_ops, x, self.quant, self.bias)
         if self.small_m is not None and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX_ROWS:
             return self.ops.small_m_linear(x, self.small_m, self.bias, self.out_features)
         return linear(x, self.weight, self.bias, self.packed)

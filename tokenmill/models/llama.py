@@ -14,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tokenmill.models.attention import AttentionMetadata
 from tokenmill.models.linear import SMALL_M_MAX_ROWS, Linear, linear, pack_small_m, pack_weight
+from tokenmill.models.quantization import QuantizedEmbedding, QuantizedTensor, QuantizedWeight, quant_linear
 
 
 class RMSNorm(nn.Module):
@@ -157,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None:  # the embedding keeps its dense weight for the lookup
+        if isinstance(self.embed_tokens, QuantizedEmbedding):  # lookups dequantize rows to the serving dtype
+            self.embed_tokens.dtype = self.norm.weight.dtype
+        elif self.lm_head is None:  # the embedding keeps its dense weight for the lookup
             self.tied_lm_head_packed = pack_weight(self.embed_tokens.weight)
 
     def use_cpu_kernels(self, ops) -> None:
@@ -169,34 +172,38 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, Linear):
                 module.use_cpu_kernels(ops)
         self.kernel_ops, self.tied_lm_head_small_m = ops, None
-        if self.lm_head is None:
+        if self.lm_head is None and not isinstance(self.embed_tokens, QuantizedEmbedding):
             self.tied_lm_head_small_m = pack_small_m(ops, self.embed_tokens.weight, None)
         self.fused_ops, self.fused_weights = None, None
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if ops is None or not linears or any(m.packed is None for m in linears):
+        if ops is None or not linears or any(m.packed is None and m.quant is None for m in linears):
             return
         none = torch.empty(0, dtype=self.norm.weight.dtype)
         weights = []
-        for layer in self.layers:
+        for layer in self.layers:  # a quantized linear passes (qweight, meta) for (oneDNN layout, small-M layout)
             attn = layer.self_attn
-            weights += [layer.input_layernorm.weight, attn.qkv_proj.packed, _or(attn.qkv_proj.bias, none),
+            (qkv, qkv_small), (o, o_small) = attn.qkv_proj.fused_weights(), attn.o_proj.fused_weights()
+            (gate_up, gate_up_small), (down, down_small) = (layer.mlp.gate_up_proj.fused_weights(),
+                                                            layer.mlp.down_proj.fused_weights())
+            weights += [layer.input_layernorm.weight, qkv, _or(attn.qkv_proj.bias, none),
                         _or(attn.q_norm and attn.q_norm.weight, none), _or(attn.k_norm and attn.k_norm.weight, none),
-                        attn.o_proj.packed, _or(attn.o_proj.bias, none), layer.post_attention_layernorm.weight,
-                        layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed]
-            weights += [_or(m.small_m, none) for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
-                                                        layer.mlp.down_proj)]
+                        o, _or(attn.o_proj.bias, none), layer.post_attention_layernorm.weight, gate_up, down]
+            weights += [_or(m, none) for m in (qkv_small, o_small, gate_up_small, down_small)]
         self.fused_ops, self.fused_weights = ops, [w.detach() for w in weights]
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
         meta.rope = self.rotary
-        if self.fused_ops is not None:  # set only when the runner chose the CPU kernels (use_cpu_kernels)
+        # fused: set only when the runner chose the CPU kernels (use_cpu_kernels); not while the backend
+        # calibrates the KV scales (kv_quant.py), which happens layer by layer
+        if self.fused_ops is not None and not backend.calibrating:
             attn = self.layers[0].self_attn
             return self.fused_ops.llama_forward(
-                self.embed_tokens(input_ids), self.fused_weights, self.norm.weight, [k for k, _ in kv_caches],
-                [v for _, v in kv_caches], meta.positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
+                self.embed_tokens(input_ids), self.fused_weights, self.norm.weight, [c[0] for c in kv_caches],
+                [c[1] for c in kv_caches], meta.positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, meta.query_start_loc, attn.num_heads, attn.head_dim,
-                self.layers[0].mlp.intermediate, self.norm.eps, attn.scale, SMALL_M_MAX_ROWS)
+                self.layers[0].mlp.intermediate, self.norm.eps, attn.scale, SMALL_M_MAX_ROWS,
+                [c[2] for c in kv_caches])
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, kv_cache, meta, backend)
@@ -205,6 +212,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if isinstance(self.embed_tokens, QuantizedEmbedding):
+            return quant_linear(self.embed_tokens.quant_ops, hidden, self.embed_tokens.quant, None).float()
         if self.tied_lm_head_small_m is not None and hidden.shape[0] <= SMALL_M_MAX_ROWS:
             return self.kernel_ops.small_m_linear(hidden, self.tied_lm_head_small_m, None,
                                                   self.config.vocab_size).float()
@@ -214,6 +223,7 @@ class LlamaForCausalLM(nn.Module):
         """weights: iterable of (HF checkpoint name, tensor). Returns the parameter names that were filled."""
         params = dict(self.named_parameters())
         loaded = set()
+        quantized = {}  # module path → {shard: QuantizedTensor}: weights kept quantized (models/quantization.py)
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
@@ -224,6 +234,10 @@ class LlamaForCausalLM(nn.Module):
             owner, _, proj = module_path.rpartition(".")
             if proj in self.FUSED:
                 fused, shard = self.FUSED[proj]
+                if isinstance(tensor, QuantizedTensor):
+                    quantized.setdefault(f"{owner}.{fused}", {})[shard] = tensor
+                    loaded.add(f"{owner}.{fused}.{leaf}#{shard}")
+                    continue
                 target = params[f"{owner}.{fused}.{leaf}"]
                 sizes = self._shard_sizes(owner, fused)
                 offset = sum(sizes[:shard])
@@ -232,9 +246,33 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            params[name].data.copy_(tensor)
+            if isinstance(tensor, QuantizedTensor):
+                quantized[module_path] = {0: tensor}
+            else:
+                params[name].data.copy_(tensor)
             loaded.add(name)
+        for path, shards in quantized.items():
+            self._keep_quantized(path, shards)
         return loaded
+
+    def _keep_quantized(self, path: str, shards: dict) -> None:
+        """Installs a weight kept quantized (the shards of a fused one concatenated by rows); a fused weight whose
+        shards came in different formats (or partly dense) is dequantized into its dense parameter instead."""
+        owner, _, fused = path.rpartition(".")
+        sizes = self._shard_sizes(owner, fused) if fused in ("qkv_proj", "gate_up_proj") else [None]
+        parts = [shards.get(i) for i in range(len(sizes))]
+        if any(p is None or p.kind != parts[0].kind for p in parts):
+            weight, offset = self.get_parameter(f"{path}.weight"), 0
+            for i, size in enumerate(sizes):
+                if shards.get(i) is not None:
+                    weight.data[offset:offset + shards[i].shape[0]].copy_(shards[i].dequantize())
+                offset += size or 0
+            return
+        quant = QuantizedWeight(QuantizedTensor.cat(parts))
+        if path == "embed_tokens":
+            self.embed_tokens = QuantizedEmbedding(quant)
+        else:
+            self.get_submodule(path).set_quantized(quant, None)  # the kernels are set by load_model
 
     def _shard_sizes(self, owner: str, fused: str) -> list[int]:
         if fused == "qkv_proj":

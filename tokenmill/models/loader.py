@@ -4,6 +4,7 @@ Only safetensors and GGUF are read: nothing is ever unpickled, and nothing is do
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from transformers import AutoConfig
 
 from tokenmill import envs
 from tokenmill.models.llama import RotaryEmbedding
+from tokenmill.models.quantization import attach_kernels, describe_weights, quantization_kernels, quantize_linears
 from tokenmill.models.registry import resolve_architecture
 
 logger = logging.getLogger("tokenmill.loader")
@@ -28,17 +30,32 @@ class ModelInfo:
     hf_config: object
     architecture: str
     gguf_arch: str | None  # the GGUF file's architecture; None for an HF directory
+    # Every id that ends a generation (unless ignore_eos): the tokenizer's EOS and the model's others, such as
+    # Gemma's <end_of_turn>. vLLM reads them from generation_config.json; llama.cpp, for a GGUF, from the
+    # eot/eom ids and its end-of-generation token texts.
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 def load_model_config(model_path: str) -> ModelInfo:
     if model_path.endswith(".gguf"):
         from gguf import GGUFReader
 
-        from tokenmill.models.gguf_loader import gguf_config
-        config, arch = gguf_config(GGUFReader(model_path))
-        return ModelInfo(model_path, config, config.architectures[0], arch)
+        from tokenmill.models.gguf_loader import gguf_config, gguf_eos_token_ids
+        reader = GGUFReader(model_path)
+        config, arch = gguf_config(reader)
+        return ModelInfo(model_path, config, config.architectures[0], arch, gguf_eos_token_ids(reader))
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    return ModelInfo(model_path, config, resolve_architecture(config)[0], None)
+    return ModelInfo(model_path, config, resolve_architecture(config)[0], None, generation_eos_token_ids(model_path))
+
+
+def generation_eos_token_ids(model_dir: str) -> frozenset[int]:
+    """generation_config.json's eos_token_id (an id or a list), as vLLM applies it."""
+    try:
+        with open(os.path.join(model_dir, "generation_config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos or [])
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -81,17 +98,21 @@ def _count_safetensors(model_path: str) -> int:
     return n
 
 
-def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_positions: int):
+def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_positions: int,
+               quantization: str = "none"):
+    """quantization: --quantization (tokenmill/models/quantization.py); none keeps today's dense weights."""
     _, cls, options = resolve_architecture(info.hf_config)
     with torch.device("meta"):
         model = cls(info.hf_config, max_positions, **options)
     model = model.to_empty(device=device)
+    quant_ops = quantization_kernels(quantization, info.gguf_arch is not None, dtype, device)
     if info.gguf_arch:
         from gguf import GGUFReader
 
         from tokenmill.models.gguf_loader import gguf_weights
         reader = GGUFReader(info.path)
-        weights, total = gguf_weights(reader, info.hf_config, info.gguf_arch), len(reader.tensors)
+        keep = quant_ops is not None and quantization in ("auto", "gguf")
+        weights, total = gguf_weights(reader, info.hf_config, info.gguf_arch, keep), len(reader.tensors)
     else:
         weights, total = _safetensors_weights(info.path), _count_safetensors(info.path)
     progress = tqdm(weights, total=total, desc=f"Loading {os.path.basename(info.path.rstrip('/'))}",
@@ -101,6 +122,10 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
     model = model.to(dtype).eval()
+    if quant_ops is not None and quantization in ("int8", "int4"):
+        quantize_linears(model, quantization, quant_ops)
+    attach_kernels(model, quant_ops)
+    logger.info("weights (--quantization %s): %s", quantization, describe_weights(model))
     # computed, not loaded, and kept in float32 (the CPU kernels read these tables; torch casts per step)
     if hasattr(model, "build_rotary"):  # models with more than one RoPE table (Gemma 3)
         model.build_rotary(max_positions, device)

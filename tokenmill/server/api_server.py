@@ -16,7 +16,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 import tokenmill
 from tokenmill import envs
@@ -26,12 +26,20 @@ from tokenmill.server import protocol as p
 from tokenmill.server.chat_utils import load_chat_template
 from tokenmill.server.engine_client import EngineClient
 from tokenmill.server.errors import add_error_handlers
+from tokenmill.server.invocations import add_invocations_route
 from tokenmill.server.lifecycle import DrainingServer, Lifecycle, LifecycleApp
 from tokenmill.server.logs import configure_logging
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
+from tokenmill.server.middleware import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestIdMiddleware,
+    ServerLoadMiddleware,
+)
 from tokenmill.server.openapi import install_openapi
+from tokenmill.server.orca import REQUEST_HEADER as ORCA_FORMAT_HEADER
+from tokenmill.server.orca import load_report
 from tokenmill.server.responses import json_response
 from tokenmill.server.server_config import ServerConfig
 from tokenmill.server.server_state import ServerState
@@ -59,6 +67,8 @@ def build_app(state: ServerState) -> FastAPI:
     install_openapi(app, bool(config.api_key))
     _add_routes(app, state)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
+    if config.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, state=state, paths=LOAD_TRACKED_PATHS)
     app.add_middleware(RequestIdMiddleware)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -66,6 +76,22 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
                        allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
     return app
+
+
+# The routes GET /load counts (vLLM's load_aware_call): those that run the model.
+LOAD_TRACKED_PATHS = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses", "/v1/embeddings",
+    "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations"})
+
+
+def _with_load_report(response: Response, raw: Request, state: ServerState) -> Response:
+    """The ORCA header on a JSON answer whose request asked for it (vLLM: completions and chat, not streamed)."""
+    metrics_format = raw.headers.get(ORCA_FORMAT_HEADER)
+    if metrics_format and response.status_code == 200 and response.media_type == "application/json":
+        s = state.metrics.last_stats
+        response.headers.update(load_report(metrics_format, s.kv_cache_usage if s else 0.0,
+                                            s.num_waiting if s else 0))
+    return response
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -98,11 +124,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def create_completion(body: p.CompletionRequest, raw: Request):
-        return await completions.create_completion(body, raw)
+        return _with_load_report(await completions.create_completion(body, raw), raw, state)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request):
-        return await chat.create_chat_completion(body, raw)
+        return _with_load_report(await chat.create_chat_completion(body, raw), raw, state)
+
+    @app.post("/v1/chat/completions/batch")
+    async def create_batch_chat_completion(body: p.BatchChatCompletionRequest, raw: Request):
+        return await chat.create_batch_chat_completion(body, raw)
+
+    @app.get("/load")
+    async def server_load():
+        """vLLM's: the requests in flight (0 without --enable-server-load-tracking)."""
+        return {"server_load": state.server_load}
 
     add_responses_routes(app, state)
     add_embedding_routes(app, state)
@@ -115,6 +150,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest):
         return tokenization.detokenize(body)
+
+    if state.config.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            return JSONResponse(tokenization.tokenizer_info())  # not msgspec: model_max_length can pass 2**64
+
+    add_invocations_route(app, state.engine.runner)  # last: it dispatches to the routes above
 
 
 # ============================== start-up ==============================

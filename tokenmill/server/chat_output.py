@@ -4,11 +4,20 @@ The same parser serves both response shapes: streaming sends the deltas feed() r
 message() at the end, so the two always agree."""
 from __future__ import annotations
 
+import json
 import uuid
 
 from tokenmill.reasoning import ReasoningSplitter
 from tokenmill.server import protocol as p
 from tokenmill.server.tool_parsers import ParsedToolCall, parse_tool_calls
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def new_tool_call_id() -> str:
@@ -34,7 +43,10 @@ class ChatOutputParser:
         reasoning, content = self.splitter.feed(text)
         return self._reasoning(reasoning) + self._answer(content)
 
-    def finish(self) -> list[p.DeltaMessage]:
+    def finish(self, cut_short: bool = False) -> list[p.DeltaMessage]:
+        """cut_short: the output ended at max_tokens. A forced call (required, named) that it cut off is dropped,
+        calls and partial JSON alike (finish_reason "length" tells why); a streamed named call's argument deltas
+        have gone out already."""
         deltas = []
         if self.splitter is not None:
             reasoning, content = self.splitter.finish()
@@ -43,10 +55,16 @@ class ChatOutputParser:
             content, calls = self.tool_parser.finish()
             deltas += self._content(content) + self._calls(calls)
         elif self.tool_mode == "required":
-            calls = parse_tool_calls(self._required_text)  # a list cut short by max_tokens is left as content
-            deltas += self._calls(calls) if calls is not None else self._content(self._required_text)
-        elif self.tool_mode == "named" and not self.tool_calls:
-            deltas += self._named("")
+            calls = parse_tool_calls(self._required_text)
+            if calls is not None:
+                deltas += self._calls(calls)
+            elif not cut_short:  # the grammar makes it whole otherwise; never dropped without a reason
+                deltas += self._content(self._required_text)
+        elif self.tool_mode == "named":
+            if not self.tool_calls and not cut_short:
+                deltas += self._named("")
+            elif cut_short and self.tool_calls and not _is_json(self.tool_calls[0].function.arguments):
+                self.tool_calls.clear()
         return deltas
 
     def finish_reason(self, engine_reason: str | None) -> str | None:

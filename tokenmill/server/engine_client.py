@@ -21,8 +21,8 @@ import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import run_engine_core
-from tokenmill.engine.messages import (AbortRequests, AddRequest, EngineCoreOutputs, EngineMessage, EngineReady,
-                                       EngineStartupFailed, SchedulerStats, StatsQuery)
+from tokenmill.engine.messages import (AbortRequests, AddRequest, AddRequests, EngineCoreOutputs, EngineMessage,
+                                       EngineReady, EngineStartupFailed, SchedulerStats, StatsQuery)
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import EngineDeadError, StreamStalled
@@ -184,6 +184,8 @@ class EngineClient:
             metrics = self.metrics
             if metrics is not None and msg.scheduler_stats is not None:
                 metrics.record_step(msg.scheduler_stats)
+            if metrics is not None:
+                metrics.record_iteration(msg.outputs)
             for out in msg.outputs:
                 self._queued.pop(out.request_id, None)
                 if metrics is not None:
@@ -234,12 +236,27 @@ class EngineClient:
                     eos_token_id: int | None, priority: int, queue: asyncio.Queue,
                     pooling: PoolingParams | None = None) -> None:
         self.check_alive()
+        self._send(self._track(request_id, prompt_token_ids, params, eos_token_id, priority, queue, pooling))
+
+    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]], eos_token_id: int | None,
+                     priority: int, queue: asyncio.Queue) -> None:
+        """(request id, prompt, params) each, in one message, so that the engine starts them in the same step:
+        the samples of one API request, the beams of one beam-search step."""
+        self.check_alive()
+        self._send(AddRequests([self._track(request_id, prompt_token_ids, params, eos_token_id, priority, queue)
+                                for request_id, prompt_token_ids, params in requests]))
+
+    def _track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int | None,
+               priority: int, queue: asyncio.Queue, pooling: PoolingParams | None = None) -> AddRequest:
         self._queues[request_id] = queue
         self._queued[request_id] = len(prompt_token_ids)
         arrival = time.monotonic()
         if self.metrics is not None:
-            self.metrics.request_added(request_id, len(prompt_token_ids), arrival)
-        self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_id, priority, arrival, pooling))
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.ready.max_model_len - len(
+                prompt_token_ids)
+            self.metrics.request_added(request_id, len(prompt_token_ids), arrival,
+                                       max_tokens if pooling is None else None)
+        return AddRequest(request_id, prompt_token_ids, params, eos_token_id, priority, arrival, pooling)
 
     def abort(self, request_ids: list[str], finished_reason: str = "abort") -> None:
         """Stops requests in the engine; finished_reason is what the metrics record (a stop string that the

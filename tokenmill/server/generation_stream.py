@@ -43,6 +43,7 @@ class _Sample:
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    num_cached_tokens: int = 0  # its prompt's prefix-cache hit, known once the engine scheduled it
 
 
 @dataclass
@@ -72,12 +73,12 @@ class GenerationStream:
                 self.samples[engine_id] = _Sample(p * n + i, engine_id, params, detokenizer)
 
     def __enter__(self) -> GenerationStream:
-        eos = self.tokenizer.eos_token_id
         try:
-            for engine_id, sample in self.samples.items():
-                self.client.add_request(engine_id, self.prompts[sample.index // self.params.n], sample.params, eos,
-                                        self.priority, self.queue)
-                self.unfinished.add(engine_id)
+            # one message: the engine starts every sample (every beam of a beam-search step) in the same step
+            self.client.add_requests([(engine_id, self.prompts[sample.index // self.params.n], sample.params)
+                                      for engine_id, sample in self.samples.items()],
+                                     self.tokenizer.eos_token_id, self.priority, self.queue)
+            self.unfinished.update(self.samples)
         except BaseException:
             self.close()
             raise
@@ -99,6 +100,11 @@ class GenerationStream:
 
     def __aiter__(self) -> GenerationStream:
         return self
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """usage.prompt_tokens_details.cached_tokens: each prompt's hit, as its first sample found it."""
+        return sum(s.num_cached_tokens for s in self.samples.values() if s.index % self.params.n == 0)
 
     def fail(self, error: Exception) -> None:
         """Ends the stream: aborts its engine requests now, and its reader gets `error`."""
@@ -140,6 +146,7 @@ class GenerationStream:
             delta = deltas[out.request_id] = SampleDelta(sample.index, "", [], None, None, None)
         delta.token_ids.extend(out.new_token_ids)
         sample.num_tokens += len(out.new_token_ids)
+        sample.num_cached_tokens = out.num_cached_tokens
         if out.logprobs:
             delta.logprobs = (delta.logprobs or []) + list(out.logprobs)
         if out.prompt_logprobs:

@@ -22,6 +22,10 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# vllm:num_requests_waiting_by_reason: "capacity" (waiting for room in the batch or the KV cache) and "deferred"
+# (held back by a transient constraint: in tokenmill, a structured-output grammar still compiling)
+WAITING_REASONS = ("capacity", "deferred")
 
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
@@ -43,11 +47,22 @@ class _Tracked:
     first_token: float = 0.0
     last_token: float = 0.0
     num_generated: int = 0
+    max_tokens: int | None = None  # the request's max_tokens parameter (None: a pooling request has none)
+    parent: str | None = None  # the API request's prompt that this is one of n samples of
+    has_output: bool = False  # vLLM's "is_prefilling" is over: its first output has arrived
+
+
+@dataclass
+class _Parent:
+    """The n samples of one prompt: vLLM observes n and their longest generation once all have finished."""
+    n: int
+    unfinished: int
+    max_generated: int = 0
 
 
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool):
+                 enable_prefix_caching: bool, cache_dtype: str = "auto"):
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
 
@@ -62,6 +77,13 @@ class ServerMetrics:
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        waiting_by_reason = Gauge("vllm:num_requests_waiting_by_reason",
+                                  "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+                                  "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+                                  "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+                                  ["model_name", "reason"], registry=r)
+        self.num_requests_waiting_by_reason = {reason: waiting_by_reason.labels(model_name, reason)
+                                               for reason in WAITING_REASONS}
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
                                             "Prefix cache queries, in terms of number of queried tokens.")
@@ -72,6 +94,16 @@ class ServerMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.stalled_streams = counter("tokenmill:stalled_streams_aborted",
                                        "Streaming requests aborted because their client stopped reading.")
+        # speculative decoding, as vLLM's SpecDecodingProm (running totals from SchedulerStats, added as deltas)
+        self.spec_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                                "Number of accepted tokens.")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", ["model_name", "position"], registry=r)
+        self._spec_totals = (0, 0, 0)
+        self._spec_per_pos_totals: list[int] = []
+        self._spec_logged = (0, 0, 0)  # drafts, draft tokens, accepted, at the last stats line
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
@@ -97,13 +129,22 @@ class ServerMetrics:
         self.decode_time = histogram("vllm:request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
         token_buckets = request_tokens_buckets(max_model_len)
+        self.max_model_len = max_model_len
+        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                          REQUEST_PARAMS_N_BUCKETS)
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", token_buckets)
+        self.request_max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            token_buckets)
+        self._parents: dict[str, _Parent] = {}
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                                "Number of prefill tokens processed.", token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", token_buckets)
         Info("vllm:cache_config", "Information of the LLMEngine CacheConfig", registry=r).info({
             "block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
-            "enable_prefix_caching": str(enable_prefix_caching)})
+            "enable_prefix_caching": str(enable_prefix_caching), "cache_dtype": cache_dtype})
         self._engine_totals = (0, 0, 0)  # prefix queries, prefix hits, preemptions, as last reported
         self._tracked: dict[str, _Tracked] = {}
         # plain copies for the periodic stats line (prometheus_client has no public read of a counter)
@@ -118,6 +159,8 @@ class ServerMetrics:
         self.last_stats = stats
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_waiting_by_reason["capacity"].set(stats.num_waiting - stats.num_waiting_deferred)
+        self.num_requests_waiting_by_reason["deferred"].set(stats.num_waiting_deferred)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
         for metric, new, old in zip((self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions),
@@ -125,13 +168,47 @@ class ServerMetrics:
             if new > old:
                 metric.inc(new - old)
         self._engine_totals = totals
-        if stats.step_tokens:
-            self.iteration_tokens.observe(stats.step_tokens)
+        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        for metric, new, old in zip((self.spec_num_drafts, self.spec_num_draft_tokens,
+                                     self.spec_num_accepted_tokens), spec, self._spec_totals):
+            if new > old:
+                metric.inc(new - old)
+        self._spec_totals = spec
+        for pos, new in enumerate(stats.spec_accepted_per_pos):
+            old = self._spec_per_pos_totals[pos] if pos < len(self._spec_per_pos_totals) else 0
+            if new > old:
+                self._spec_per_pos.labels(self._model_name, str(pos)).inc(new - old)
+        if stats.spec_accepted_per_pos:
+            self._spec_per_pos_totals = list(stats.spec_accepted_per_pos)
+
+    def record_iteration(self, outputs: list[EngineCoreOutput]) -> None:
+        """vllm:iteration_tokens_total as vLLM counts it, per step that produced outputs: the new tokens, plus the
+        whole prompt (cached part included) of each request whose first output this is. (Not the tokens the step
+        computed: a 9-token prompt's prefill and 10 outputs count 19, not 18.)"""
+        if not outputs:
+            return
+        tokens = 0
+        for out in outputs:
+            tokens += len(out.new_token_ids)
+            t = self._tracked.get(out.request_id)
+            if t is not None and not t.has_output:
+                t.has_output = True
+                tokens += t.num_prompt_tokens
+        self.iteration_tokens.observe(tokens)
 
     # ---- per request ----
 
-    def request_added(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
-        self._tracked[request_id] = _Tracked(num_prompt_tokens, arrival)
+    def request_added(self, request_id: str, num_prompt_tokens: int, arrival: float,
+                      max_tokens: int | None = None) -> None:
+        """max_tokens: the max_tokens parameter as the engine applies it; None for a pooling request, which has
+        none. A sampling request's id is GenerationStream's `{request}-{prompt}-{sample}`: the samples of one prompt
+        (all added at once, before any can finish) make its n."""
+        parent = request_id.rsplit("-", 1)[0] if max_tokens is not None else None
+        self._tracked[request_id] = _Tracked(num_prompt_tokens, arrival, max_tokens=max_tokens, parent=parent)
+        if parent is not None:
+            group = self._parents.setdefault(parent, _Parent(0, 0))
+            group.n += 1
+            group.unfinished += 1
 
     def record_output(self, out: EngineCoreOutput, timestamp: float) -> None:
         """One engine output: its new tokens were made at `timestamp` (the end of the step)."""
@@ -158,6 +235,16 @@ class ServerMetrics:
         if t is None:
             return
         self._success.labels(self._model_name, finished_reason).inc()
+        if t.max_tokens:
+            self.request_params_max_tokens.observe(t.max_tokens)
+        group = self._parents.get(t.parent) if t.parent is not None else _Parent(1, 1)
+        if group is not None:
+            group.unfinished -= 1
+            group.max_generated = max(group.max_generated, t.num_generated)
+            if not group.unfinished:
+                self._parents.pop(t.parent, None)
+                self.request_params_n.observe(group.n)
+                self.request_max_num_generation_tokens.observe(group.max_generated)
         if not t.num_generated:
             return
         end = max(finished_time, t.last_token)
@@ -194,6 +281,11 @@ class ServerMetrics:
                 f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
         if mask > last_mask and steps > last_steps:
             line += f", Grammar mask time: {1000 * (mask - last_mask) / (steps - last_steps):.2f} ms/step"
+        drafts, draft_tokens, accepted = (d - last for d, last in zip(self._spec_totals, self._spec_logged))
+        self._spec_logged = self._spec_totals
+        if drafts > 0:  # vLLM's SpecDecoding figures: accepted drafts + the bonus token per verification
+            line += (f", Spec decode: mean acceptance length {1 + accepted / drafts:.2f}, draft acceptance rate "
+                     f"{100 * accepted / max(draft_tokens, 1):.1f}%")
         return line
 
     def render(self) -> bytes:

@@ -107,3 +107,20 @@ class BodySizeLimitMiddleware:
         error = RequestTooLarge(f"The request body is {size}, more than the server accepts "
                                 f"(--max-request-body-bytes {self.limit}).")
         await exception_response(error)(scope, receive, send)
+
+
+class ServerLoadMiddleware:
+    """vLLM's --enable-server-load-tracking: the requests to the generation and pooling routes (`paths`) in flight,
+    from arrival until their response, a stream included, has gone out. GET /load reads the count."""
+
+    def __init__(self, app, state, paths: frozenset[str]):
+        self.app, self.state, self.paths = app, state, paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1

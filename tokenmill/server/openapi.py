@@ -39,6 +39,10 @@ def _events(*chunks: str) -> dict[str, Any]:
 
 STRING = {"type": "string"}
 VERSION = {"type": "object", "required": ["version"], "properties": {"version": STRING}}
+LOAD = {"type": "object", "required": ["server_load"], "properties": {"server_load": {"type": "integer", "minimum": 0}}}
+# vLLM's: tokenizer_config.json's content, which varies by tokenizer, with at least the class
+TOKENIZER_INFO = {"type": "object", "required": ["tokenizer_class"], "additionalProperties": True,
+                  "properties": {"tokenizer_class": STRING, "chat_template": STRING}}
 ERRORS = {
     400: "Invalid request; `error.param` names the field.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
@@ -53,6 +57,13 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/completions", "post"): {JSON: _ref("CompletionResponse"), SSE: _events("CompletionResponse")},
     ("/v1/chat/completions", "post"): {JSON: _ref("ChatCompletionResponse"),
                                        SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk")},
+    ("/v1/chat/completions/batch", "post"): {JSON: _ref("ChatCompletionResponse")},
+    ("/invocations", "post"): {  # whichever endpoint the body's shape selects (invocations.py)
+        JSON: {"anyOf": [_ref(name) for name in ("ChatCompletionResponse", "CompletionResponse", "EmbeddingResponse",
+                                                 "ScoreResponse", "RerankResponse")]},
+        SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk", "CompletionResponse")},
+    ("/load", "get"): {JSON: LOAD},
+    ("/tokenizer_info", "get"): {JSON: TOKENIZER_INFO},
     ("/v1/models", "get"): {JSON: _ref("ModelList")},
     ("/tokenize", "post"): {JSON: _ref("TokenizeResponse")},
     ("/detokenize", "post"): {JSON: _ref("DetokenizeResponse")},
@@ -134,10 +145,11 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
 
 def _error_statuses(path: str, op: dict[str, Any], schemas: dict[str, Any], api_key: bool) -> list[int]:
     statuses = {503}  # any route: loading, draining (lifecycle.py), or overloaded or dead when it needs the engine
-    body = op.get("requestBody", {}).get("content", {}).get(JSON, {}).get("schema", {}).get("$ref", "")
+    body = op.get("requestBody", {}).get("content", {}).get(JSON, {}).get("schema", {})
     if body:
         statuses |= {400, 413}
-        if "model" in schemas[body.rsplit("/", 1)[-1]].get("properties", {}):
+        refs = [s["$ref"] for s in (body, *body.get("anyOf", ())) if "$ref" in s]  # one shape, or any of several
+        if any("model" in schemas[ref.rsplit("/", 1)[-1]].get("properties", {}) for ref in refs):
             statuses.add(404)  # no such model
     if "{" in path:
         statuses.add(404)  # no such object

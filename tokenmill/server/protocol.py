@@ -11,6 +11,7 @@ import logging
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
 from tokenmill.sampling_params import ParamError
@@ -43,14 +44,15 @@ class _Body(_Request):
     """A whole request body. `_UNSUPPORTED` names the OpenAI fields tokenmill does not implement (with a hint): each
     is declared as its "off" value only, so that the schema says so, and any other value is a 400 naming it."""
     _UNSUPPORTED: ClassVar[dict[str, str]] = {}
+    _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {}  # the same for vLLM's extension fields
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, hint in cls._UNSUPPORTED.items():
+            for name, hint in (cls._UNSUPPORTED | cls._UNSUPPORTED_VLLM).items():
                 value = data.get(name)
-                if value is not None and value != cls.model_fields[name].default:
+                if value not in (None, False, []) and value != cls.model_fields[name].default:  # else: "off"
                     raise ParamError(f"{name} is not supported by tokenmill{hint}, got {value!r}", name)
         return data
 
@@ -64,6 +66,7 @@ class _Body(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk too
 
 
 class JsonSchemaFormat(_Request):
@@ -124,16 +127,67 @@ class SamplingFields(_Body):
     structured_outputs: StructuredOutputsField | None = None
     # reasoning models: force the end of thinking after this many tokens
     thinking_token_budget: Int | None = Field(default=None, ge=0, le=INT64_MAX)
+    # vLLM's response extras: the prompt's logprobs (-1: the whole vocabulary), the token ids of prompt and output,
+    # and logprob tokens as "token_id:N" (None: --return-tokens-as-token-ids)
+    prompt_logprobs: Int | None = Field(default=None, ge=-1)
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM: keep the last k prompt tokens (-1: up to the context), or the first k with truncation_side "right"
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's beam search (tokenmill/beam_search.py): n is the beam width; length_penalty and early_stopping shape it
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    # vLLM's extension fields that tokenmill does not implement: declared "off", any other value is a 400
+    _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
+        name: "" for name in ("allowed_token_ids", "bad_words", "logprob_token_ids", "watermarking", "cache_salt",
+                              "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection",
+                              "stream_interval", "routed_experts_prompt_start", "return_token_offsets",
+                              "return_mm_kwargs", "request_id", "session_id", "logits_processors",
+                              "guided_decoding_backend", "guided_whitespace_pattern")}
+    allowed_token_ids: None = None
+    bad_words: Annotated[list[str], Field(max_length=0)] | None = []  # [] (vLLM's default) or null
+    logprob_token_ids: None = None
+    watermarking: Literal[False] | None = None
+    cache_salt: None = None
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    vllm_xargs: None = None
+    repetition_detection: None = None
+    stream_interval: None = None
+    routed_experts_prompt_start: Literal[0] = 0
+    return_token_offsets: Literal[False] | None = None
+    return_mm_kwargs: Literal[True] = True
+    request_id: None = None
+    session_id: None = None
+    logits_processors: None = None
+    guided_decoding_backend: None = None
+    guided_whitespace_pattern: None = None
+
+    @model_validator(mode="after")
+    def _vllm_stream_rules(self):
+        """vLLM's (and OpenAI's) checks that tie a field to `stream`."""
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("Stream options can only be defined when `stream=True`.", "stream_options")
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs != 0:
+            raise ParamError("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        for name, off in (("length_penalty", self.length_penalty == 1.0), ("early_stopping", not self.early_stopping)):
+            if not off and not self.use_beam_search:  # vLLM ignores them then; a client that sends one expects it used
+                raise ParamError(f"{name} applies only to beam search (use_beam_search: true)", name)
+        return self
 
 
 class CompletionRequest(SamplingFields):
-    _UNSUPPORTED: ClassVar[dict[str, str]] = {"suffix": "", "use_beam_search": ""}
+    _UNSUPPORTED: ClassVar[dict[str, str]] = {"suffix": ""}
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = Field(default=16, ge=1)
     echo: bool = False
-    logprobs: Int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs: checked at run time
+    logprobs: Int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary; at most --max-logprobs
     suffix: None = None
-    use_beam_search: Literal[False] = False
+    add_special_tokens: bool = True  # vLLM: special tokens (BOS) added to a text prompt
+    _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {**SamplingFields._UNSUPPORTED_VLLM, "prompt_embeds": ""}
+    prompt_embeds: None = None
     best_of: Int | None = Field(default=None, ge=1)  # only as many as n: there is no best-of selection
 
     @model_validator(mode="after")
@@ -165,7 +219,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Int | None = Field(default=None, ge=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: Int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs: checked at run time
+    top_logprobs: Int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary; at most --max-logprobs
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool = True
@@ -174,12 +228,38 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: the last message's content (if it is the assistant's) goes in front of the answer
+    add_special_tokens: bool = False  # vLLM: special tokens (BOS) on top of what the chat template writes
+    _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
+        **SamplingFields._UNSUPPORTED_VLLM, "documents": "", "media_io_kwargs": "", "mm_processor_kwargs": "",
+        "reasoning_effort": "", "return_prompt_text": "", "chat_template": ": start with --chat-template"}
+    documents: None = None
+    chat_template: None = None
+    media_io_kwargs: None = None
+    mm_processor_kwargs: None = None
+    reasoning_effort: None = None
+    return_prompt_text: Literal[False] | None = None
     functions: None = None
     function_call: None = None
     audio: None = None
     modalities: list[Literal["text"]] | None = Field(default=["text"], min_length=1, max_length=1)
     prediction: None = None
     web_search_options: None = None
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: the fields of a chat completion, with `messages` a list of
+    conversations; one choice per conversation, index i for conversation i. As in vLLM: no streaming, no tools,
+    n = 1 (refused with a 400 naming the field, never ignored)."""
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _batch_limits(self):
+        for name, refused in (("stream", self.stream), ("tools", self.tools is not None), ("n", self.n != 1)):
+            if refused:
+                raise ParamError(f"Batch chat completions do not support `{name}`"
+                                 f"{' > 1' if name == 'n' else ''}.", name)
+        return self
 
 
 class TokenizeRequest(_Body):
@@ -214,10 +294,15 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (what a router predicts)
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelCard(msgspec.Struct):
@@ -250,6 +335,10 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    # vLLM's extras, present only when asked for (return_token_ids, prompt_logprobs)
+    token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -309,6 +398,7 @@ class ChoiceEnd(msgspec.Struct, kw_only=True):
 class ChatChoice(ChoiceEnd):
     index: int
     message: ChatResponseMessage
+    token_ids: list[int] | UnsetType = UNSET  # vLLM: with return_token_ids
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
@@ -334,6 +424,7 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
 class ChatChunkChoice(ChoiceEnd):
     index: int
     delta: DeltaMessage
+    token_ids: list[int] | UnsetType = UNSET  # vLLM: with return_token_ids, this chunk's tokens
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -343,6 +434,9 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    # vLLM's extras, present only when asked for
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -351,6 +445,8 @@ class ChatCompletionChunk(msgspec.Struct):
     model: str
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
+    usage: Usage | UnsetType = UNSET  # with stream_options.continuous_usage_stats: the usage so far
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: in each choice's first chunk
 
 
 class ChatCompletionUsageChunk(msgspec.Struct):
@@ -364,6 +460,17 @@ class ChatCompletionUsageChunk(msgspec.Struct):
 
 
 # ---- /tokenize, /detokenize ----
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's Logprob: one entry of a prompt position's {token id: logprob} map."""
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# One map per prompt token (null for the first), keyed by token id: the prompt's own token and the top alternatives.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
 
 class TokenizeResponse(msgspec.Struct):
     count: int

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 from pydantic import Field
 
-from tokenmill.server.protocol import SamplingFields, _Request
+from tokenmill.server.protocol import Int, SamplingFields, _Request
 
 # ============================== request ==============================
 
@@ -52,7 +52,7 @@ class ResponsesRequest(SamplingFields):
         "background": "", "conversation": ": send its items as input", "prompt": ": send its text as input"}
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: Int | None = Field(default=None, ge=1)
     text: TextConfig | None = None
     tools: list[dict[str, Any]] | None = None  # flat: {"type": "function", "name", "description", "parameters"}
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", "name"}

@@ -39,6 +39,15 @@ class ServerConfig(CliConfig):
         "help": "abort a streaming request whose client has not taken its pending output for this many seconds "
                 "(it stopped reading): its KV cache is freed"})
     max_n: int = field(default=DEFAULT_MAX_N, metadata={"help": "largest n a request may ask for"})
+    return_tokens_as_token_ids: bool = field(default=False, metadata={
+        "help": "render logprob tokens as 'token_id:N' (so that bytes that are not UTF-8 survive) unless a request's "
+                "return_tokens_as_token_ids says otherwise"})
+    enable_force_include_usage: bool = field(default=False, metadata={
+        "help": "every stream carries usage: in each chunk and in a final usage chunk, whatever stream_options says"})
+    enable_server_load_tracking: bool = field(default=False, metadata={
+        "help": "count the generation and pooling requests in flight, for GET /load"})
+    enable_tokenizer_info_endpoint: bool = field(default=False, metadata={
+        "help": "serve GET /tokenizer_info (the tokenizer's configuration and chat template)"})
     max_num_queued_reqs: int | None = field(default=None, metadata={
         "help": "answer 503 (overloaded_error, Retry-After) past this many requests waiting for their first token "
                 "(default: no limit)"})

@@ -34,12 +34,13 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     max_chars_per_token: int = field(init=False)  # the longest token's text: n characters are ≥ n / this tokens
     _token_strs: dict[int, str] = field(default_factory=dict, init=False)
+    server_load: int = field(default=0, init=False)  # requests in flight (--enable-server-load-tracking)
 
     def __post_init__(self):
         self.max_chars_per_token = max(len(token) for token in self.tokenizer.get_vocab())
         e = self.engine
         self.metrics = ServerMetrics(self.model_names[0], e.max_model_len, e.num_blocks, e.block_size,
-                                     e.enable_prefix_caching)
+                                     e.enable_prefix_caching, e.cache_dtype)
         self.client.metrics = self.metrics
 
     @functools.cached_property

@@ -18,54 +18,100 @@ from tokenmill.server import protocol as p
 from tokenmill.server.chat_output import ChatOutputParser
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
-from tokenmill.server.serving_engine import OpenAIServing
+from tokenmill.server.serving_engine import MIN_LOGPROB, OpenAIServing
 from tokenmill.server.tool_parsers import TOOL_PARSERS, named_tool_schema, required_tools_schema, validate_tools
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: p.ChatCompletionRequest, raw: Request):
+        return await self.chat(req, [req.messages], raw)
+
+    async def create_batch_chat_completion(self, req: p.BatchChatCompletionRequest, raw: Request):
+        """vLLM's /v1/chat/completions/batch: one choice per conversation (index i for conversation i)."""
+        if req.prompt_logprobs is not None:  # vLLM computes and drops them: refused rather than ignored
+            raise ParamError("Batch chat completions do not support `prompt_logprobs`.", "prompt_logprobs")
+        return await self.chat(req, req.messages, raw, batch=True)
+
+    async def chat(self, req: p.ChatCompletionRequest, conversations: list[list[p.ChatMessage]], raw: Request,
+                   batch: bool = False):
+        """The conversations' prompts go to the engine as one request (n samples of each), as a completion's list
+        of prompts does: choice i is sample i % n of conversation i // n."""
         state = self.state
         state.check_model(req.model)
         tool_mode, named_tool, tool_constraint = self.tool_choice(req)
-        prompt_text, prompt_ids = await state.render_chat(req.messages, req.add_generation_prompt,
-                                                          req.continue_final_message, req.chat_template_kwargs,
-                                                          req.tools)
-        if req.top_logprobs is not None:
-            if not req.logprobs:
-                raise ParamError("top_logprobs needs logprobs set to true", "top_logprobs")
-            if not 0 <= req.top_logprobs <= state.engine.max_logprobs:
-                raise ParamError(f"top_logprobs must be in [0, {state.engine.max_logprobs}], got {req.top_logprobs}",
-                                 "top_logprobs")
+        rendered = [await state.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
+                                            req.chat_template_kwargs, req.tools) for messages in conversations]
+        prompt_texts, prompts = [text for text, _ in rendered], [ids for _, ids in rendered]
+        if req.add_special_tokens:  # vLLM: the rendered text tokenized with special tokens (a BOS) added
+            prompts = await state.encode(prompt_texts)
+        prompts = self.truncate(prompts, req)
+        if req.top_logprobs and not req.logprobs:  # 0 is the default, so it is allowed alone (vLLM)
+            raise ParamError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        num_logprobs = self.num_logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
+        prompt_logprobs = self.num_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if prompt_logprobs is None and req.echo and not batch:  # as vLLM: echo brings the prompt's logprobs
+            prompt_logprobs = self.num_logprobs(req.top_logprobs or 0, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is not None and max_tokens < 1:
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise ParamError(f"{param} must be at least 1, got {max_tokens}", param)
-        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                      tool_constraint=tool_constraint)
+        if not req.use_beam_search:
+            params = self.sampling_params(req, max_tokens, num_logprobs, prompt_logprobs,
+                                          tool_constraint=tool_constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        as_ids = self.tokens_as_ids(req)
+        echo_texts = [self.echo_text(messages, batch) if req.echo else "" for messages in conversations]
 
-        def output_parser() -> ChatOutputParser:
-            splitter = ReasoningSplitter(state.reasoning, prompt_text) if state.reasoning is not None else None
+        def output_parser(conversation: int = 0) -> ChatOutputParser:
+            splitter = None
+            if state.reasoning is not None:
+                splitter = ReasoningSplitter(state.reasoning, prompt_texts[conversation])
             tool_parser = TOOL_PARSERS[state.config.auto_tool_call_parser]() if tool_mode == "auto" else None
             return ChatOutputParser(splitter, req.include_reasoning, tool_mode, tool_parser, named_tool)
 
-        stream = self.start(request_id, [prompt_ids], params, req.priority, raw, "chat")
-        model, created = state.model_names[0], int(time.time())
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(self.events(stream, prompt_ids, model, created, include_usage, output_parser))
-        choices = await self.run_to_completion(raw, stream, params.n)
+        if req.use_beam_search:  # streamed too, as vLLM does: each beam in one chunk, at the end
+            stream = self.start_beam_search(request_id, prompts, req, max_tokens, num_logprobs, tool_constraint)
+        else:
+            stream = self.start(request_id, prompts, params, req.priority, raw, "chat")
+        model, created, n = state.model_names[0], int(time.time()), stream.params.n
+        if req.stream:  # one conversation: a batch cannot stream (protocol.BatchChatCompletionRequest)
+            return EventStreamResponse(self.events(stream, prompts[0], model, created, *self.stream_usage(req),
+                                                   output_parser, echo_texts[0], bool(req.return_token_ids), as_ids))
+        choices = await self.run_to_completion(raw, stream, len(prompts) * n)
         if isinstance(choices, Response):
             return choices
         out = []
         for i, c in enumerate(choices):
-            parser = output_parser()
+            parser = output_parser(i // n)
             parser.feed(c.text)
-            parser.finish()
-            out.append(p.ChatChoice(i, parser.message(), logprobs=self.logprobs(c.logprobs) if req.logprobs else None,
-                                    finish_reason=parser.finish_reason(c.finish_reason), stop_reason=c.stop_reason))
-        usage = self.usage([prompt_ids], sum(c.num_tokens for c in choices))
-        return json_response(p.ChatCompletionResponse(request_id, created, model, out, usage))
+            parser.finish(cut_short=c.finish_reason == "length")
+            message = parser.message()
+            if echo_texts[i // n]:
+                message.content = echo_texts[i // n] + (message.content or "")
+            choice = p.ChatChoice(i, message, logprobs=self.logprobs(c.logprobs, as_ids) if req.logprobs else None,
+                                  finish_reason=parser.finish_reason(c.finish_reason), stop_reason=c.stop_reason)
+            if req.return_token_ids:
+                choice.token_ids = c.token_ids
+            out.append(choice)
+        usage = self.usage(prompts, sum(c.num_tokens for c in choices), stream.num_cached_tokens)
+        response = p.ChatCompletionResponse(request_id, created, model, out, usage)
+        if not batch:  # vLLM's batch response has neither: there is no one prompt
+            if req.return_token_ids:
+                response.prompt_token_ids = prompts[0]
+            if prompt_logprobs is not None:
+                response.prompt_logprobs = self.prompt_logprobs(prompts[0], choices[0].prompt_logprobs)
+        return json_response(response)
+
+    @staticmethod
+    def echo_text(messages: list[p.ChatMessage], any_role: bool) -> str:
+        """What `echo` puts in front of the answer: the last message's content, when it is the assistant's (vLLM's
+        batch endpoint echoes it whatever its role). Text parts are joined by newlines, as vLLM does."""
+        last = messages[-1]
+        if not any_role and last.role != "assistant":
+            return ""
+        if isinstance(last.content, list):
+            return "\n".join(part.text or "" for part in last.content if part.type == "text")
+        return last.content or ""
 
     def tool_choice(self, req: p.ChatCompletionRequest) -> tuple[str, str | None, StructuredOutputsParams | None]:
         """(tool mode, named function, the grammar that enforces it), with vLLM's defaults and errors."""
@@ -97,42 +143,62 @@ class OpenAIServingChat(OpenAIServing):
         raise ParamError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                          "tool_choice")
 
-    def logprobs(self, entries: list[TokenLogprobs]) -> p.ChatLogprobs:
+    def logprobs(self, entries: list[TokenLogprobs], as_ids: bool) -> p.ChatLogprobs:
+        """As vLLM: a token's `bytes` are its text's; with as_ids its `token` (and each alternative's token and
+        bytes) read "token_id:N"."""
         content = []
         for e in entries:
-            s = self.state.token_str(e.token_id)
-            top = [p.TopLogprob(self.state.token_str(t), lp, list(self.state.token_str(t).encode()))
-                   for t, lp in zip(e.top_token_ids, e.top_logprobs)]
-            content.append(p.ChatLogprobToken(s, e.logprob, list(s.encode()), top))
+            text = self.state.token_str(e.token_id)
+            top = []
+            for t, lp in zip(e.top_token_ids, e.top_logprobs):
+                token = self.logprob_token(t, as_ids)
+                top.append(p.TopLogprob(token, max(lp, MIN_LOGPROB), list(token.encode())))
+            content.append(p.ChatLogprobToken(self.logprob_token(e.token_id, as_ids), max(e.logprob, MIN_LOGPROB),
+                                              list(text.encode()), top))
         return p.ChatLogprobs(content)
 
     def events(self, stream: GenerationStream, prompt_ids: list[int], model: str, created: int,
-               include_usage: bool, output_parser: Callable[[], ChatOutputParser]) -> AsyncIterator[bytes]:
+               include_usage: bool, continuous_usage: bool, output_parser: Callable[[], ChatOutputParser],
+               echo_text: str, return_token_ids: bool, as_ids: bool) -> AsyncIterator[bytes]:
         rid, n = stream.request_id, stream.params.n
         want_logprobs = stream.params.logprobs is not None
         parsers = [output_parser() for _ in range(n)]
+        num_tokens = [0] * n  # per choice: continuous usage counts each choice's own tokens, as vLLM
 
-        def chunk(index: int, delta: p.DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
-            return sse_event(p.ChatCompletionChunk(rid, created, model, [
-                p.ChatChunkChoice(index, delta, logprobs=logprobs, finish_reason=finish_reason,
-                                  stop_reason=stop_reason)]))
+        def chunk(index: int, delta: p.DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None,
+                  token_ids=None, first: bool = False) -> bytes:
+            choice = p.ChatChunkChoice(index, delta, logprobs=logprobs, finish_reason=finish_reason,
+                                       stop_reason=stop_reason)
+            out = p.ChatCompletionChunk(rid, created, model, [choice])
+            if return_token_ids:
+                choice.token_ids = token_ids or []
+                if first:
+                    out.prompt_token_ids = prompt_ids
+            if continuous_usage:
+                out.usage = p.Usage(len(prompt_ids), num_tokens[index], len(prompt_ids) + num_tokens[index])
+            return sse_event(out)
 
         def events_for(d: SampleDelta) -> list[bytes]:
-            logprobs = self.logprobs(d.logprobs) if want_logprobs and d.logprobs else None
+            num_tokens[d.index] += len(d.token_ids)
+            logprobs = self.logprobs(d.logprobs, as_ids) if want_logprobs and d.logprobs else None
             parser = parsers[d.index]
             parts = parser.feed(d.text) if d.text else []
             if d.finish_reason is not None:
-                parts += parser.finish()
-            if logprobs is not None and not parts:
-                parts = [p.DeltaMessage()]  # the text is held back for now; its logprobs are not
-            events = [chunk(d.index, part, logprobs if j == 0 else None) for j, part in enumerate(parts)]
+                parts += parser.finish(cut_short=d.finish_reason == "length")
+            if (logprobs is not None or (return_token_ids and d.token_ids)) and not parts:
+                parts = [p.DeltaMessage()]  # the text is held back for now; its logprobs and ids are not
+            events = [chunk(d.index, part, logprobs, token_ids=d.token_ids) if j == 0 else chunk(d.index, part)
+                      for j, part in enumerate(parts)]
             if d.finish_reason is not None:
                 events.append(chunk(d.index, p.DeltaMessage(), None, parser.finish_reason(d.finish_reason),
                                     d.stop_reason))
             return events
 
         def usage_event(num_tokens: int) -> bytes:
-            return sse_event(p.ChatCompletionUsageChunk(rid, created, model, self.usage([prompt_ids], num_tokens)))
+            usage = self.usage([prompt_ids], num_tokens, stream.num_cached_tokens)
+            return sse_event(p.ChatCompletionUsageChunk(rid, created, model, usage))
 
-        first = b"".join(chunk(i, p.DeltaMessage(role="assistant", content="")) for i in range(n))
+        first = b"".join(chunk(i, p.DeltaMessage(role="assistant", content=""), first=True) for i in range(n))
+        if echo_text:  # vLLM: a chunk per choice with the echoed content, after the role
+            first += b"".join(chunk(i, p.DeltaMessage(content=echo_text)) for i in range(n))
         return self.stream_events(stream, first, events_for, usage_event if include_usage else None)

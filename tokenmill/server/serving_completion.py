@@ -17,31 +17,39 @@ from tokenmill.server.serving_engine import OpenAIServing
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def prompts(self, prompt) -> list[list[int]]:
+    async def prompts(self, prompt, add_special_tokens: bool = True) -> list[list[int]]:
         if isinstance(prompt, str):
-            return await self.state.encode([prompt])
+            return await self.state.encode([prompt], add_special_tokens)
         if not prompt:
             raise ParamError("prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return await self.state.encode(prompt)
+            return await self.state.encode(prompt, add_special_tokens)
         return [list(ids) for ids in prompt]
 
     async def create_completion(self, req: p.CompletionRequest, raw: Request):
         state = self.state
         state.check_model(req.model)
-        prompts = await self.prompts(req.prompt)
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+        prompts = self.truncate(await self.prompts(req.prompt, req.add_special_tokens), req)
+        num_logprobs = self.num_logprobs(req.logprobs, "logprobs")
+        prompt_logprobs = self.num_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if prompt_logprobs is None and req.echo:  # as vLLM: the echoed tokens' logprobs are the prompt's
+            prompt_logprobs = num_logprobs
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self.start(request_id, prompts, params, req.priority, raw, "text_completion")
+        if req.use_beam_search:
+            if req.stream:  # vLLM's answer: its beam search yields only the final output
+                raise ParamError("Streaming is not currently supported with beam search", "stream")
+            stream = self.start_beam_search(request_id, prompts, req, req.max_tokens, num_logprobs)
+        else:
+            params = self.sampling_params(req, req.max_tokens, num_logprobs, prompt_logprobs)
+            stream = self.start(request_id, prompts, params, req.priority, raw, "text_completion")
         echo_texts = [state.tokenizer.decode(ids) for ids in prompts] if req.echo else None
-        model, created, n = state.model_names[0], int(time.time()), params.n
+        model, created, n = state.model_names[0], int(time.time()), stream.params.n
+        as_ids = self.tokens_as_ids(req)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(self.events(stream, prompts, echo_texts, model, created,
-                                                               include_usage))
+            return EventStreamResponse(self.events(stream, prompts, echo_texts, model, created, *self.stream_usage(req),
+                                                   bool(req.return_token_ids), as_ids))
         choices = await self.run_to_completion(raw, stream, len(prompts) * n)
         if isinstance(choices, Response):
             return choices
@@ -50,24 +58,30 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_ids = prompts[i // n]
             prefix = echo_texts[i // n] if echo_texts else ""
             logprobs = None
-            if req.logprobs is not None:
+            if num_logprobs is not None:
                 entries = []
                 if req.echo:
                     lp = c.prompt_logprobs[-len(prompt_ids):]
                     lp = [None] * (len(prompt_ids) - len(lp)) + lp
                     entries = list(zip(prompt_ids, lp))
                 entries += [(e.token_id, e) for e in c.logprobs]
-                logprobs = self.logprobs(entries, 0)
-            out.append(p.CompletionChoice(i, prefix + c.text, logprobs, c.finish_reason, c.stop_reason))
-        usage = self.usage(prompts, sum(c.num_tokens for c in choices))
+                logprobs = self.logprobs(entries, 0, num_logprobs, as_ids)
+            choice = p.CompletionChoice(i, prefix + c.text, logprobs, c.finish_reason, c.stop_reason)
+            if req.return_token_ids:
+                choice.prompt_token_ids, choice.token_ids = prompt_ids, c.token_ids
+            if prompt_logprobs is not None:
+                choice.prompt_logprobs = self.prompt_logprobs(prompt_ids, c.prompt_logprobs)
+            out.append(choice)
+        usage = self.usage(prompts, sum(c.num_tokens for c in choices), stream.num_cached_tokens)
         return json_response(p.CompletionResponse(request_id, created, model, out, usage))
 
-    def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> p.CompletionLogprobs:
+    def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int, k: int,
+                 as_ids: bool) -> p.CompletionLogprobs:
         """entries: (token id, its logprobs or None, as for the first prompt token); offset: the text offset of the
-        first token."""
+        first token; k: the alternatives to give (the token itself is always among them); as_ids: "token_id:N"."""
         out = p.CompletionLogprobs()
         for token_id, e in entries:
-            s = self.state.token_str(token_id)
+            s = self.logprob_token(token_id, as_ids)
             out.tokens.append(s)
             out.text_offset.append(offset)
             offset += len(s)
@@ -76,34 +90,49 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(e.logprob)
-            top = {self.state.token_str(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
+            top = {self.logprob_token(t, as_ids): lp for t, lp in zip(e.top_token_ids[:k], e.top_logprobs[:k])}
             top.setdefault(s, e.logprob)
             out.top_logprobs.append(top)
         return out
 
     def events(self, stream: GenerationStream, prompts: list[list[int]], echo_texts: list[str] | None, model: str,
-               created: int, include_usage: bool) -> AsyncIterator[bytes]:
-        n, rid = stream.params.n, stream.request_id
+               created: int, include_usage: bool, continuous_usage: bool, return_token_ids: bool,
+               as_ids: bool) -> AsyncIterator[bytes]:
+        n, rid, k = stream.params.n, stream.request_id, stream.params.logprobs
         num_choices = len(prompts) * n
         offsets = [len(echo_texts[i // n]) if echo_texts else 0 for i in range(num_choices)]  # of the next token
-        first = b"".join(sse_event(p.CompletionResponse(rid, created, model, [
-            p.CompletionChoice(i, echo_texts[i // n], None, None)])) for i in range(num_choices)) if echo_texts else b""
+        num_tokens = [0] * num_choices  # per choice: continuous usage counts each choice's own tokens, as vLLM
+        prompt_ids_due = [return_token_ids] * num_choices  # vLLM sends them in each choice's first chunk
+
+        def chunk(i: int, text: str, logprobs=None, finish_reason=None, stop_reason=None, token_ids=()) -> bytes:
+            choice = p.CompletionChoice(i, text, logprobs, finish_reason, stop_reason)
+            if return_token_ids:
+                choice.token_ids = list(token_ids)
+                if prompt_ids_due[i]:
+                    choice.prompt_token_ids, prompt_ids_due[i] = prompts[i // n], False
+            usage = None
+            if continuous_usage:
+                num_prompt = len(prompts[i // n])
+                usage = p.Usage(num_prompt, num_tokens[i], num_prompt + num_tokens[i])
+            return sse_event(p.CompletionResponse(rid, created, model, [choice], usage))
+
+        first = b"".join(chunk(i, echo_texts[i // n]) for i in range(num_choices)) if echo_texts else b""
 
         def events_for(d: SampleDelta) -> list[bytes]:
             events = []
+            num_tokens[d.index] += len(d.token_ids)
             logprobs = None
             if d.logprobs:
-                logprobs = self.logprobs([(e.token_id, e) for e in d.logprobs], offsets[d.index])
+                logprobs = self.logprobs([(e.token_id, e) for e in d.logprobs], offsets[d.index], k, as_ids)
                 offsets[d.index] += sum(len(t) for t in logprobs.tokens)
-            if d.text or logprobs is not None:
-                events.append(sse_event(p.CompletionResponse(rid, created, model, [
-                    p.CompletionChoice(d.index, d.text, logprobs, None)])))
+            if d.text or logprobs is not None or (return_token_ids and d.token_ids):
+                events.append(chunk(d.index, d.text, logprobs, token_ids=d.token_ids))
             if d.finish_reason is not None:
-                events.append(sse_event(p.CompletionResponse(rid, created, model, [
-                    p.CompletionChoice(d.index, "", None, d.finish_reason, d.stop_reason)])))
+                events.append(chunk(d.index, "", None, d.finish_reason, d.stop_reason))
             return events
 
         def usage_event(num_tokens: int) -> bytes:
-            return sse_event(p.CompletionResponse(rid, created, model, [], self.usage(prompts, num_tokens)))
+            usage = self.usage(prompts, num_tokens, stream.num_cached_tokens)
+            return sse_event(p.CompletionResponse(rid, created, model, [], usage))
 
         return self.stream_events(stream, first, events_for, usage_event if include_usage else None)

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenmill.beam_search import BeamSearchParams, check_beam_width
 from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from tokenmill.server import protocol as p
+from tokenmill.server.beam_search_stream import BeamSearchStream
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.errors import sse_error_event
 from tokenmill.server.responses import DONE, ClientDisconnected, until_disconnected
@@ -26,10 +28,15 @@ class CollectedChoice:
     """A choice being accumulated for a non-streaming response."""
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+
+# vLLM's stand-in for -inf in logprobs (JSON has no infinity)
+MIN_LOGPROB = -9999.0
 
 
 class OpenAIServing:
@@ -86,6 +93,64 @@ class OpenAIServing:
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens)
 
+    def num_logprobs(self, value: int | None, param: str) -> int | None:
+        """vLLM's rule for logprobs, top_logprobs and prompt_logprobs: -1 is the whole vocabulary, and no more than
+        --max-logprobs may be asked for (-1 there too: the vocabulary)."""
+        if value is None:
+            return None
+        vocab, limit = self.state.engine.vocab_size, self.state.engine.max_logprobs
+        limit = vocab if limit == -1 else limit
+        num = vocab if value == -1 else value
+        if num > limit:
+            kind = "prompt" if param == "prompt_logprobs" else "sample"
+            raise ParamError(f"Requested {kind} logprobs of {num}, which is greater than max allowed: {limit}", param)
+        return num
+
+    def truncate(self, prompts: list[list[int]], req: p.SamplingFields) -> list[list[int]]:
+        """vLLM's truncate_prompt_tokens: keep the last k tokens of each prompt (-1: the context's length), or the
+        first k with truncation_side "right"."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return prompts
+        k = self.state.engine.max_model_len if k == -1 else k
+        if req.truncation_side == "right":
+            return [ids[:k] for ids in prompts]
+        return [ids[len(ids) - min(k, len(ids)):] for ids in prompts]
+
+    def tokens_as_ids(self, req: p.SamplingFields) -> bool:
+        """Whether logprob tokens read "token_id:N": the request's return_tokens_as_token_ids, else the flag."""
+        if req.return_tokens_as_token_ids is not None:
+            return req.return_tokens_as_token_ids
+        return self.state.config.return_tokens_as_token_ids
+
+    def logprob_token(self, token_id: int, as_ids: bool) -> str:
+        return f"token_id:{token_id}" if as_ids else self.state.token_str(token_id)
+
+    def stream_usage(self, req: p.SamplingFields) -> tuple[bool, bool]:
+        """(a final usage chunk, usage in every chunk), as vLLM decides them: --enable-force-include-usage gives
+        both; otherwise stream_options.include_usage, and continuous_usage_stats only along with it."""
+        if self.state.config.enable_force_include_usage:
+            return True, True
+        so = req.stream_options
+        include = bool(so and so.include_usage)
+        return include, include and bool(so.continuous_usage_stats)
+
+    def prompt_logprobs(self, prompt_ids: list[int], entries: list[TokenLogprobs | None]) -> p.PromptLogprobs:
+        """vLLM's prompt_logprobs: per prompt token (null for the first) a map from token id to its logprob, rank
+        and text, holding the prompt's token and then the top alternatives."""
+        entries = entries[-len(prompt_ids):]
+        entries = [None] * (len(prompt_ids) - len(entries)) + entries
+        out: p.PromptLogprobs = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            lps = {e.token_id: p.PromptLogprob(max(e.logprob, MIN_LOGPROB), e.rank, self.state.token_str(e.token_id))}
+            for rank, (t, lp) in enumerate(zip(e.top_token_ids, e.top_logprobs), 1):
+                lps[t] = p.PromptLogprob(max(lp, MIN_LOGPROB), rank, self.state.token_str(t))
+            out.append(lps)
+        return out
+
     def structured_outputs(self, req: p.SamplingFields) -> StructuredOutputsParams | None:
         """The request's constraint, from whichever field carries it; compiled here first, so that an invalid
         schema, regex or grammar is a 400 quoting the compiler (and the engine finds it in the cache)."""
@@ -132,6 +197,42 @@ class OpenAIServing:
             stream.on_close = self._record_trace
         return stream
 
+    def start_beam_search(self, request_id: str, prompts: list[list[int]], req: p.SamplingFields,
+                          max_tokens: int | None, num_logprobs: int | None,
+                          tool_constraint: StructuredOutputsParams | None = None) -> BeamSearchStream:
+        """use_beam_search, n being the beam width. Beam search ranks by the model's logprobs alone, so a sampling
+        field it would not honour is a 400 naming it (vLLM ignores them), as is a width whose 2n candidates per
+        step exceed --max-logprobs."""
+        state = self.state
+        refused = {
+            "top_p": req.top_p not in (None, 1.0), "top_k": req.top_k not in (None, 0, -1), "min_p": bool(req.min_p),
+            "presence_penalty": bool(req.presence_penalty), "frequency_penalty": bool(req.frequency_penalty),
+            "repetition_penalty": req.repetition_penalty not in (None, 1.0), "logit_bias": bool(req.logit_bias),
+            "stop": bool(req.stop), "stop_token_ids": bool(req.stop_token_ids), "min_tokens": req.min_tokens > 0,
+            "thinking_token_budget": req.thinking_token_budget is not None,
+            "prompt_logprobs": req.prompt_logprobs is not None, "tool_choice": tool_constraint is not None,
+            "response_format": req.response_format is not None and req.response_format.type != "text",
+            **{name: getattr(req, name) is not None
+               for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")}}
+        for name, is_set in refused.items():
+            if is_set:
+                raise ParamError(f"{name} cannot be combined with use_beam_search: beam search ranks continuations by "
+                                 "the model's logprobs alone", name)
+        if req.n > state.config.max_n:
+            raise ParamError(f"n must be at most {state.config.max_n}, got {req.n}", "n")
+        check_beam_width(req.n, state.engine.max_logprobs, "n")
+        state.client.check_alive()
+        temperature = 1.0 if req.temperature is None else req.temperature  # vLLM's default; it changes nothing
+        params = []
+        for ids in prompts:
+            state.validate(ids, SamplingParams(n=req.n, max_tokens=max_tokens, logprobs=num_logprobs), req.priority)
+            limit = max_tokens if max_tokens is not None else state.engine.max_model_len - len(ids)
+            params.append(BeamSearchParams(req.n, limit, req.ignore_eos, temperature, req.length_penalty,
+                                           req.include_stop_str_in_output, req.early_stopping))
+        state.check_queue(prompts)  # the first step: one request per prompt
+        return BeamSearchStream(state.client, request_id, prompts, params, state.tokenizer, req.priority,
+                                num_logprobs, req.skip_special_tokens)
+
     def _record_trace(self, stream: GenerationStream) -> None:
         t = stream.trace
         samples = sorted(stream.samples.values(), key=lambda s: s.index)
@@ -145,9 +246,10 @@ class OpenAIServing:
             logger.exception("could not record the trace of %s", stream.request_id)
 
     @staticmethod
-    def usage(prompts: list[list[int]], num_completion_tokens: int) -> p.Usage:
+    def usage(prompts: list[list[int]], num_completion_tokens: int, num_cached_tokens: int = 0) -> p.Usage:
         num_prompt = sum(len(ids) for ids in prompts)
-        return p.Usage(num_prompt, num_completion_tokens, num_prompt + num_completion_tokens)
+        return p.Usage(num_prompt, num_completion_tokens, num_prompt + num_completion_tokens,
+                       p.PromptTokensDetails(num_cached_tokens))
 
     @staticmethod
     async def collect(stream: GenerationStream, num_choices: int) -> list[CollectedChoice]:
@@ -158,6 +260,7 @@ class OpenAIServing:
                     c = choices[d.index]
                     c.text += d.text
                     c.num_tokens += len(d.token_ids)
+                    c.token_ids += d.token_ids
                     if d.logprobs:
                         c.logprobs.extend(d.logprobs)
                     if d.prompt_logprobs:

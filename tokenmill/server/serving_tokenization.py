@@ -1,4 +1,5 @@
-"""/tokenize and /detokenize (vLLM's extra endpoints): the server's own tokenizer and chat template, no engine."""
+"""/tokenize, /detokenize and /tokenizer_info (vLLM's extra endpoints): the server's own tokenizer and chat template,
+no engine."""
 from __future__ import annotations
 
 from tokenmill.sampling_params import ParamError
@@ -23,7 +24,7 @@ class OpenAIServingTokenization:
             [ids] = await state.encode([req.prompt], add_special_tokens=req.add_special_tokens is not False)
         else:
             raise ParamError("either prompt or messages is required", "prompt")
-        strs = [state.token_str(t) for t in ids] if req.return_token_strs else None
+        strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None  # vocabulary pieces
         return json_response(p.TokenizeResponse(len(ids), state.engine.max_model_len, ids, strs))
 
     def detokenize(self, req: p.DetokenizeRequest):
@@ -33,3 +34,27 @@ class OpenAIServingTokenization:
         if bad:
             raise ParamError(f"token id {bad[0]} is out of vocabulary (size {state.engine.vocab_size})", "tokens")
         return json_response(p.DetokenizeResponse(state.tokenizer.decode(req.tokens)))
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's init arguments (tokenizer_config.json's content, file paths
+        left out, special tokens as their text), its class, and the chat template in use."""
+        tokenizer = self.state.tokenizer
+        config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                  if k not in ("vocab_file", "merges_file")}
+        config = _json_safe(config)
+        config["tokenizer_class"] = type(tokenizer).__name__
+        if getattr(tokenizer, "chat_template", None):
+            config["chat_template"] = tokenizer.chat_template
+        return config
+
+
+def _json_safe(value):
+    if hasattr(value, "content"):  # an AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

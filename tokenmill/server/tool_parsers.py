@@ -136,11 +136,52 @@ def named_tool_schema(tools: list[dict], name: str) -> dict:
 
 
 def required_tools_schema(tools: list[dict], parallel: bool = True) -> dict:
-    """tool_choice="required": a JSON list of one or more {"name", "parameters"} calls of the given tools."""
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                               "parameters": _parameters(t)},
-              "required": ["name", "parameters"]} for t in tools]
+    """tool_choice="required": a JSON list of one or more {"name", "parameters"} calls of the given tools.
+
+    Each tool's parameters sit below items.anyOf[i] here, so the `$defs` their `#/$defs/...` references point at are
+    hoisted to the root and merged, as vLLM does; where two tools define one name differently, the later one's is
+    renamed (vLLM refuses the request there) and its references with it."""
+    merged: dict[str, dict] = {}
+    calls = []
+    for t in tools:
+        parameters = _hoist_defs(_parameters(t), merged)
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                       "parameters": parameters},
+                      "required": ["name", "parameters"]})
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    if merged:
+        schema["$defs"] = merged
     return schema
+
+
+def _hoist_defs(parameters: dict, merged: dict[str, dict]) -> dict:
+    """parameters without its $defs, which go into `merged` (a clashing name is renamed, in the references too)."""
+    defs = parameters.get("$defs")
+    if not isinstance(defs, dict) or not defs:
+        return parameters
+    renames = {}
+    for name, definition in defs.items():
+        new_name, i = name, 1
+        while new_name in merged and merged[new_name] != _renamed(definition, renames | {name: new_name}):
+            new_name, i = f"{name}_{i}", i + 1
+        renames[name] = new_name
+    for name, definition in defs.items():
+        merged[renames[name]] = _renamed(definition, renames)
+    return _renamed({k: v for k, v in parameters.items() if k != "$defs"}, renames)
+
+
+def _renamed(node, renames: dict[str, str]):
+    """A copy of a schema with its `#/$defs/NAME` references renamed."""
+    if isinstance(node, dict):
+        out = {k: _renamed(v, renames) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            name, _, rest = ref[len("#/$defs/"):].partition("/")
+            if name in renames:
+                out["$ref"] = f"#/$defs/{renames[name]}" + (f"/{rest}" if rest else "")
+        return out
+    if isinstance(node, list):
+        return [_renamed(v, renames) for v in node]
+    return node

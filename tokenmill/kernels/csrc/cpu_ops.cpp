@@ -3,8 +3,8 @@
 //
 // One source, compiled once per ISA (-mavx512f..., or -mavx2 -mfma) by tokenmill/kernels/build.py; the loader
 // picks the build that matches the CPU's flags. The loops are written so that GCC vectorizes them for the ISA
-// at hand: contiguous fp32 inner loops, bf16 converted by integer shifts. Storage is float32 or bfloat16;
-// arithmetic is float32 throughout.
+// at hand: contiguous fp32 inner loops, bf16 converted by integer shifts. Storage is float32 or bfloat16 (the KV
+// cache may also be one byte per element: kv_quant.h); arithmetic is float32 throughout.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -19,6 +19,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "kv_quant.h"
+#include "quant_linear.h"
 
 namespace {
 
@@ -200,7 +203,18 @@ struct AttnShape {
   int num_heads, num_kv_heads, head_dim;
   float scale;
   int window;  // sliding window in tokens; 0: every earlier key is visible
+  tm_kv::KVFormat kv_format;  // how the caches store an element (kv_quant.h)
+  const float* kv_scales;     // one-byte formats: [2][kv_heads][head_dim] (K, then V), else null
 };
+
+// A run of n cache elements from element `offset`, as float32 (one-byte formats: times `scale`).
+template <typename T>
+inline void load_kv(float* dst, const void* cache, int64_t offset, int n, tm_kv::KVFormat fmt, float scale) {
+  if (fmt == tm_kv::KVFormat::kNative)
+    load_row<T>(dst, static_cast<const typename Elem<T>::raw*>(cache) + offset, n);
+  else
+    tm_kv::decode_row(dst, static_cast<const uint8_t*>(cache) + offset, n, fmt, scale);
+}
 
 // Scores of kRowBlock query rows against a block at a time: p[r][j] = q_r . k_j, with K transposed ([D][B]).
 // The accumulators stay in registers: two independent chains per row (two key vectors, or even and odd dims).
@@ -266,7 +280,7 @@ inline void block_values(const float* p, const float* vf, float* acc, const floa
 
 template <typename T, int B>
 void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename Elem<T>::raw* out,
-                    const typename Elem<T>::raw* k_cache, const typename Elem<T>::raw* v_cache,
+                    const void* k_cache, const void* v_cache,
                     const int32_t* block_table, int ctx_len, int q_len, const AttnShape& shape,
                     float* partial_out, std::vector<float>& scratch) {
   const int D = shape.head_dim, Hkv = shape.num_kv_heads, G = shape.num_heads / Hkv;
@@ -287,13 +301,18 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
   const int first_pos = ctx_len - q_len;
   std::fill(qf, qf + R4 * D, 0.0f);
   std::fill(acc, acc + R4 * D, 0.0f);
+  // One-byte caches are read as their raw codes: K's per-channel scales are folded into q (q . (k * s) =
+  // (q * s) . k), V's are applied to the output (sum_j p_j v_j * s = (sum_j p_j v_j) * s), so the inner loops
+  // stay what they are for float caches.
+  const float* k_scales = shape.kv_scales ? shape.kv_scales + w.kv_head * D : nullptr;
+  const float* v_scales = shape.kv_scales ? shape.kv_scales + (Hkv + w.kv_head) * D : nullptr;
   for (int t = 0; t < tokens; ++t) {
     for (int g = 0; g < G; ++g) {
       const int r = t * G + g;
       const auto* src = q + (w.q_begin + t) * q_row_stride + (w.kv_head * G + g) * D;
       load_row<T>(qf + r * D, src, D);
 #pragma omp simd
-      for (int d = 0; d < D; ++d) qf[r * D + d] *= shape.scale;
+      for (int d = 0; d < D; ++d) qf[r * D + d] *= shape.scale * (k_scales ? k_scales[d] : 1.0f);
       m[r] = -1e30f;
       l[r] = 0.0f;
       last[r] = first_pos + w.q_begin + t;
@@ -306,8 +325,8 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
     const int lo = std::max(start, w.kv_begin) - start;  // first key of the block this item covers
     const int n = std::min(B, kv_end - start);
     const int64_t base = (static_cast<int64_t>(block_table[start / B]) * Hkv + w.kv_head) * block_elems;
-    load_row<T>(kt, k_cache + base, B * D);
-    load_row<T>(vf + lo * D, v_cache + base + lo * D, (n - lo) * D);
+    load_kv<T>(kt, k_cache, base, B * D, shape.kv_format, 1.0f);
+    load_kv<T>(vf + lo * D, v_cache, base + lo * D, (n - lo) * D, shape.kv_format, 1.0f);
     block_scores<B>(qf, kt, p, R4, D);
     for (int r = 0; r < R4; ++r) {
       float* pr = p + r * B;
@@ -347,7 +366,7 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
       }
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
 #pragma omp simd
-      for (int d = 0; d < D; ++d) acc[r * D + d] *= inv;
+      for (int d = 0; d < D; ++d) acc[r * D + d] *= inv * (v_scales ? v_scales[d] : 1.0f);
       store_row<T>(out + (w.q_begin + t) * q_row_stride + (w.kv_head * G + g) * D, acc + r * D, D);
     }
   }
@@ -356,10 +375,8 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
 template <typename T, int B>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                          const at::Tensor& query_start_loc, double scale, int window) {
-  const int num_seqs = seq_lens.size(0);
-  const AttnShape shape{static_cast<int>(query.size(1)), static_cast<int>(k_cache.size(1)),
-                        static_cast<int>(query.size(2)), static_cast<float>(scale), window};
+                          const at::Tensor& query_start_loc, const AttnShape& shape) {
+  const int num_seqs = seq_lens.size(0), window = shape.window;
   const int G = shape.num_heads / shape.num_kv_heads, D = shape.head_dim;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -402,8 +419,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   std::vector<float> partials(static_cast<size_t>(num_partials) * G * (D + 2));
   const auto* q = raw_ptr<T>(query);
   auto* o = raw_ptr<T>(out);
-  const auto* kc = raw_ptr<T>(k_cache);
-  const auto* vc = raw_ptr<T>(v_cache);
+  const void* kc = k_cache.data_ptr();
+  const void* vc = v_cache.data_ptr();
   const int n_items = static_cast<int>(items.size());
   const int64_t row = static_cast<int64_t>(shape.num_heads) * D;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n_items > 1)
@@ -431,7 +448,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
         for (int d = 0; d < D; ++d) acc[d] += part[d] * weight;
       }
       const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-      for (int d = 0; d < D; ++d) acc[d] *= inv;
+      const float* v_scales = shape.kv_scales ? shape.kv_scales + (shape.num_kv_heads + h) * D : nullptr;
+      for (int d = 0; d < D; ++d) acc[d] *= inv * (v_scales ? v_scales[d] : 1.0f);
       store_row<T>(o + qsl[s] * row + (h * G + g) * D, acc.data(), D);
     }
   }
@@ -447,8 +465,8 @@ void check_attention_args(const at::Tensor& out, const at::Tensor& query, const 
   const int64_t n = k_cache.size(0), h = k_cache.size(1), d = k_cache.size(2), b = k_cache.size(3);
   TORCH_CHECK(v_cache.size(0) == n && v_cache.size(1) == h && v_cache.size(2) == b && v_cache.size(3) == d,
               "k_cache [blocks, kv_heads, head_dim, block_size], v_cache [blocks, kv_heads, block_size, head_dim]");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
-                  v_cache.scalar_type() == query.scalar_type(), "query, out and caches must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "query and out share a dtype, and so do the caches");
   TORCH_CHECK(d == query.size(2) && query.size(1) % h == 0, "head shapes differ");
   TORCH_CHECK(d % kDimChunk == 0, "head_dim must be a multiple of ", kDimChunk);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -459,18 +477,45 @@ void check_attention_args(const at::Tensor& out, const at::Tensor& query, const 
               "one seq_lens entry and one block-table row per sequence, query_start_loc has one more");
 }
 
+// The caches' element format: the model's dtype, or a one-byte format (kv_quant.h) named by the cache's dtype.
+tm_kv::KVFormat kv_format(const at::Tensor& cache, at::ScalarType model_dtype) {
+  const at::ScalarType t = cache.scalar_type();
+  if (t == model_dtype) return tm_kv::KVFormat::kNative;
+  if (t == at::kFloat8_e4m3fn) return tm_kv::KVFormat::kE4M3;
+  if (t == at::kFloat8_e5m2) return tm_kv::KVFormat::kE5M2;
+  if (t == at::kChar) return tm_kv::KVFormat::kInt8;
+  TORCH_CHECK(false, "KV cache of ", t, " for a ", model_dtype, " model: the model's dtype, float8_e4m3fn, "
+              "float8_e5m2 or int8");
+}
+
+// One-byte formats need their scales: float32 [2, kv_heads, head_dim] (K, then V; one per channel); the model's
+// dtype needs none.
+const float* kv_scales_ptr(const std::optional<at::Tensor>& kv_scales, tm_kv::KVFormat fmt, int64_t kv_heads,
+                           int64_t head_dim) {
+  if (fmt == tm_kv::KVFormat::kNative) return nullptr;
+  TORCH_CHECK(kv_scales.has_value() && kv_scales->scalar_type() == at::kFloat && kv_scales->is_contiguous() &&
+                  kv_scales->numel() == 2 * kv_heads * head_dim,
+              "a one-byte KV cache needs kv_scales: float32 [2, kv_heads, head_dim]");
+  return kv_scales->data_ptr<float>();
+}
+
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale, int64_t window = 0) {
+                     const at::Tensor& query_start_loc, double scale, int64_t window = 0,
+                     const std::optional<at::Tensor>& kv_scales = std::nullopt) {
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
   check_attention_args(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
   const int64_t block_size = k_cache.size(3);
+  const tm_kv::KVFormat fmt = kv_format(k_cache, query.scalar_type());
+  const AttnShape shape{static_cast<int>(query.size(1)), static_cast<int>(k_cache.size(1)),
+                        static_cast<int>(query.size(2)), static_cast<float>(scale), static_cast<int>(window), fmt,
+                        kv_scales_ptr(kv_scales, fmt, k_cache.size(1), k_cache.size(2))};
   TM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
     switch (block_size) {
-      case 16: return paged_attention_impl<scalar_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, static_cast<int>(window));
-      case 32: return paged_attention_impl<scalar_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, static_cast<int>(window));
-      case 64: return paged_attention_impl<scalar_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, static_cast<int>(window));
-      case 128: return paged_attention_impl<scalar_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, static_cast<int>(window));
+      case 16: return paged_attention_impl<scalar_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, shape);
+      case 32: return paged_attention_impl<scalar_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, shape);
+      case 64: return paged_attention_impl<scalar_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, shape);
+      case 128: return paged_attention_impl<scalar_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, shape);
       default: TORCH_CHECK(false, "paged_attention: block size must be 16, 32, 64 or 128, got ", block_size);
     }
   });
@@ -506,7 +551,7 @@ template <typename T>
 void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                          const at::Tensor& slot_mapping, at::Tensor& q_out, const at::Tensor& q_norm,
-                         const at::Tensor& k_norm, double eps) {
+                         const at::Tensor& k_norm, double eps, tm_kv::KVFormat fmt, const float* kv_scales) {
   const int64_t T_ = qkv.size(0);
   const int Hq = q_out.size(1), D = q_out.size(2), Hkv = k_cache.size(1);
   const int64_t B = k_cache.size(3);
@@ -515,6 +560,8 @@ void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, con
   auto* qo = raw_ptr<T>(q_out);
   auto* kc = raw_ptr<T>(k_cache);
   auto* vc = raw_ptr<T>(v_cache);
+  auto* kc8 = static_cast<uint8_t*>(k_cache.data_ptr());
+  auto* vc8 = static_cast<uint8_t*>(v_cache.data_ptr());
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* cs = cos.data_ptr<float>();
@@ -538,10 +585,23 @@ void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, con
         load_row<T>(x.data(), row + (Hq + h) * D, D);
         head_rms_norm<T>(x.data(), k_norm, D, eps);
         rope_row<T>(x.data(), c, s, D);
-        auto* k_dst = kc + ((block * Hkv + h) * D) * B + offset;  // K transposed: stride B between dims
+        const int64_t k_at = ((block * Hkv + h) * D) * B + offset;  // K transposed: stride B between dims
+        const int64_t v_at = ((block * Hkv + h) * B + offset) * D;
+        if (fmt != tm_kv::KVFormat::kNative) {  // K as the model's dtype would hold it, then quantized
+          const float* ks = kv_scales + h * D;
+          const float* vs = kv_scales + (Hkv + h) * D;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) x[d] = round_to<T>(x[d]) * (1.0f / ks[d]);
+          tm_kv::encode_row(kc8 + k_at, B, x.data(), D, fmt, 1.0f);
+          load_row<T>(x.data(), row + (Hq + Hkv + h) * D, D);
+#pragma omp simd
+          for (int d = 0; d < D; ++d) x[d] *= 1.0f / vs[d];
+          tm_kv::encode_row(vc8 + v_at, 1, x.data(), D, fmt, 1.0f);
+          continue;
+        }
+        auto* k_dst = kc + k_at;
         for (int d = 0; d < D; ++d) k_dst[d * B] = Elem<T>::store(x[d]);
-        std::memcpy(vc + ((block * Hkv + h) * B + offset) * D, row + (Hq + Hkv + h) * D,
-                    D * sizeof(typename Elem<T>::raw));
+        std::memcpy(vc + v_at, row + (Hq + Hkv + h) * D, D * sizeof(typename Elem<T>::raw));
       }
     }
   });
@@ -549,7 +609,8 @@ void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, con
 
 void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, at::Tensor q_out,
-                    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
+                    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
+                    const std::optional<at::Tensor>& kv_scales = std::nullopt) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv: [tokens, (heads + 2 kv_heads) * head_dim], rows contiguous");
   TORCH_CHECK(q_out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "outputs must be contiguous");
   TORCH_CHECK(qkv.size(1) == (q_out.size(1) + 2 * k_cache.size(1)) * q_out.size(2), "qkv width does not match heads");
@@ -558,11 +619,14 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong, "positions, slots: int64");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(1) == q_out.size(2),
               "cos, sin: float32 [positions, head_dim]");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && q_out.scalar_type() == qkv.scalar_type(), "dtypes differ");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && q_out.scalar_type() == qkv.scalar_type(), "dtypes differ");
+  const tm_kv::KVFormat fmt = kv_format(k_cache, qkv.scalar_type());
+  const float* scales = kv_scales_ptr(kv_scales, fmt, k_cache.size(1), k_cache.size(2));
   const at::Tensor qn = q_norm.has_value() ? q_norm->contiguous() : at::Tensor();
   const at::Tensor kn = k_norm.has_value() ? k_norm->contiguous() : at::Tensor();
   TM_DISPATCH(qkv.scalar_type(), "rope_and_cache", [&] {
-    rope_and_cache_impl<scalar_t>(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, qn, kn, eps);
+    rope_and_cache_impl<scalar_t>(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, qn, kn, eps, fmt,
+                                  scales);
   });
 }
 
@@ -799,7 +863,9 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const s
 // layer_weights: per layer [input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, down_w,
 // then the small-M layouts of qkv_w, o_w, gate_up_w, down_w]; an empty tensor stands for a bias or norm the
 // model does not have, or a small-M layout this CPU has no kernel for. Batches of up to small_m_max_rows tokens
-// use the small-M kernel.
+// use the small-M kernel. A linear kept quantized passes (qweight uint8, meta) in its two slots instead and
+// always runs quant_linear (quant_linear.cpp). kv_scales: per layer, the KV cache's float32
+// [2, kv_heads, head_dim] scales (read only when the cache is one-byte: --kv-cache-dtype).
 // ---------------------------------------------------------------------------------------------------------
 constexpr int kWeightsPerLayer = 14;
 
@@ -820,6 +886,10 @@ std::optional<at::Tensor> present(const at::Tensor& t) {
 
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& small_m,
                         const at::Tensor& bias, int64_t out_features, int64_t small_m_max_rows) {
+  if (packed.scalar_type() == at::kByte) {  // kept quantized: (qweight, meta) in place of the two layouts
+    RECORD_FUNCTION("tokenmill::quant_linear", std::vector<c10::IValue>());
+    return TM_NAMESPACE::quant_linear(x, packed, small_m, present(bias), out_features);
+  }
   if (small_m.numel() > 0 && x.size(0) <= small_m_max_rows) {
     RECORD_FUNCTION("tokenmill::small_m_linear", std::vector<c10::IValue>());
     return small_m_linear(x, small_m, present(bias), out_features);
@@ -832,10 +902,12 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t num_heads, int64_t head_dim,
-                         int64_t intermediate, double eps, double scale, int64_t small_m_max_rows) {
+                         int64_t intermediate, double eps, double scale, int64_t small_m_max_rows,
+                         at::TensorList kv_scales) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == layers * kWeightsPerLayer &&
-                  static_cast<int64_t>(v_caches.size()) == layers, "llama_forward: weights or caches missing");
+                  static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(kv_scales.size()) == layers, "llama_forward: weights, caches or scales missing");
   const int64_t tokens = embeddings.size(0);
   at::Tensor residual = embeddings;  // the embedding lookup's fresh output: updated in place
   at::Tensor h = at::empty_like(embeddings);
@@ -856,11 +928,12 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
     {
       RECORD_FUNCTION("tokenmill::rope_and_cache", std::vector<c10::IValue>());
       rope_and_cache(qkv, positions, cos, sin, k_caches[l], v_caches[l], slot_mapping, q, present(w[3]),
-                     present(w[4]), eps);
+                     present(w[4]), eps, kv_scales[l]);
     }
     {
       RECORD_FUNCTION("tokenmill::paged_attention", std::vector<c10::IValue>());
-      paged_attention(attn, q, k_caches[l], v_caches[l], block_tables, seq_lens, query_start_loc, scale);
+      paged_attention(attn, q, k_caches[l], v_caches[l], block_tables, seq_lens, query_start_loc, scale, 0,
+                      kv_scales[l]);
     }
     at::Tensor o = layer_linear(attn.view({tokens, num_heads * head_dim}), w[5], w[11], w[6], hidden, small_m_max_rows);
     {
@@ -883,9 +956,10 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
 
 TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale, int window=0) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int window=0, Tensor? kv_scales=None) -> ()");
   m.def("rope_and_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor(c!) q_out, Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
+        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor(c!) q_out, Tensor? q_norm, Tensor? k_norm, float eps, "
+        "Tensor? kv_scales=None) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
@@ -896,7 +970,7 @@ TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("llama_forward(Tensor embeddings, Tensor[] layer_weights, Tensor final_norm, Tensor[] k_caches, "
         "Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int num_heads, int head_dim, int intermediate, float eps, "
-        "float scale, int small_m_max_rows) -> Tensor");
+        "float scale, int small_m_max_rows, Tensor[] kv_scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TM_NAMESPACE, CPU, m) {

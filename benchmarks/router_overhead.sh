@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The latency `tokenmill router` adds: one replica, the router in front of it, and C concurrent clients (64)
+# that alternate, request by request, between the router and the replica directly, in the same run, so that
+# both see the same engine load. Requests are tiny (a short prompt, max_tokens 1) so that the engine is not the
+# bottleneck. Prints the latency p50/p99 of each path and their difference, the router's own histogram
+# (tokenmill_router:overhead_seconds: arrival to forwarding) and its CPU time per request.
+#
+# Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/results/router/overhead)
+# Knobs (env): CONCURRENCY (64), REQUESTS per client and path (20), THREADS for the replica (2), POLICY (kv).
+# A tiny check: CONCURRENCY=4 REQUESTS=3 benchmarks/router_overhead.sh /tmp/ro
+set -euo pipefail
+OUT=${1:-benchmarks/results/router/overhead}
+PY=${PY:-.venv/bin}
+CONCURRENCY=${CONCURRENCY:-64}; REQUESTS=${REQUESTS:-20}; THREADS=${THREADS:-2}; POLICY=${POLICY:-kv}
+mkdir -p "$OUT"
+lscpu > "$OUT/lscpu.txt"
+OMP_NUM_THREADS=$THREADS TOKENMILL_NO_PROGRESS=1 $PY/tokenmill serve --port 8301 --dtype bfloat16 \
+  --max-model-len 2048 --disable-log-stats \
+  --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5641", "replay_endpoint": "tcp://*:5642"}' \
+  > "$OUT/replica.log" 2>&1 &
+REPLICA=$!
+trap 'kill $REPLICA ${ROUTER:-} 2>/dev/null || true; wait 2>/dev/null || true' EXIT
+until curl -sf http://127.0.0.1:8301/health/ready > /dev/null; do sleep 1; done
+$PY/tokenmill router --port 8300 --policy "$POLICY" --backend http://127.0.0.1:8301 \
+  --kv-events-endpoint tcp://127.0.0.1:5641 --kv-events-replay-endpoint tcp://127.0.0.1:5642 > "$OUT/router.log" 2>&1 &
+ROUTER=$!
+until curl -sf http://127.0.0.1:8300/health > /dev/null; do sleep 0.5; done
+
+$PY/python - "$OUT" "$CONCURRENCY" "$REQUESTS" <<'PY'
+import asyncio, json, sys, time
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+out, concurrency, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ROUTER, DIRECT = "http://127.0.0.1:8300", "http://127.0.0.1:8301"
+body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there, how", "max_tokens": 1, "temperature": 0}
+latency = {ROUTER: [], DIRECT: []}
+
+async def client(http, i):
+    order = [ROUTER, DIRECT] if i % 2 else [DIRECT, ROUTER]  # half the clients start with each path
+    for _ in range(requests):
+        for base in order:
+            t = time.perf_counter()
+            r = await http.post(base + "/v1/completions", json=body)
+            latency[base].append((time.perf_counter() - t) * 1e3)
+            assert r.status_code == 200, r.text
+
+def router_metrics():
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(ROUTER + "/metrics").text):
+        for s in family.samples:
+            values.setdefault(s.name, []).append(s)
+    return values
+
+async def main():
+    limits = httpx.Limits(max_connections=2 * concurrency, max_keepalive_connections=2 * concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        await asyncio.gather(*(client(http, i) for i in range(concurrency)))  # a warm-up round
+        for v in latency.values():
+            v.clear()
+        before = router_metrics()
+        t = time.perf_counter()
+        await asyncio.gather(*(client(http, i) for i in range(concurrency)))
+        return time.perf_counter() - t, before, router_metrics()
+
+elapsed, before, after = asyncio.run(main())
+
+def pct(v, q):
+    v = sorted(v)
+    return v[min(len(v) - 1, int(len(v) * q))]
+
+def value(metrics, name, **labels):
+    return sum(s.value for s in metrics.get(name, []) if all(s.labels.get(k) == x for k, x in labels.items()))
+
+res = {"concurrency": concurrency, "requests_per_path": len(latency[ROUTER]), "duration_s": round(elapsed, 2)}
+for name, base in (("via_router", ROUTER), ("direct", DIRECT)):
+    res[name] = {"p50_ms": round(pct(latency[base], 0.5), 2), "p99_ms": round(pct(latency[base], 0.99), 2)}
+res["router_added_ms"] = {q: round(res["via_router"][q] - res["direct"][q], 2) for q in ("p50_ms", "p99_ms")}
+# the router's own view: arrival to forwarding, from its histogram (bucket bounds)
+count = value(after, "tokenmill_router:overhead_seconds_count") - value(before, "tokenmill_router:overhead_seconds_count")
+buckets = sorted({float(s.labels["le"]) for s in after["tokenmill_router:overhead_seconds_bucket"]})
+def bound(q):
+    for le in buckets:
+        n = value(after, "tokenmill_router:overhead_seconds_bucket", le=str(le)) - \
+            value(before, "tokenmill_router:overhead_seconds_bucket", le=str(le))
+        if count and n >= q * count:
+            return le * 1e3
+res["router_overhead_histogram"] = {"p50_ms_at_most": bound(0.5), "p99_ms_at_most": bound(0.99),
+                                    "mean_ms": round(1e3 * (value(after, "tokenmill_router:overhead_seconds_sum") -
+                                                            value(before, "tokenmill_router:overhead_seconds_sum"))
+                                                     / max(count, 1), 3)}
+finished = value(after, "tokenmill_router:finished_requests_total") - value(before, "tokenmill_router:finished_requests_total")
+cpu = value(after, "tokenmill_router:cpu_seconds") - value(before, "tokenmill_router:cpu_seconds")
+res["router_cpu_ms_per_request"] = round(1e3 * cpu / max(finished, 1), 3)
+print(json.dumps(res, indent=2))
+json.dump(res, open(f"{out}/overhead.json", "w"), indent=2)
+PY

@@ -1,0 +1,63 @@
+"""What verifying drafts costs: the time of one engine forward (runner.execute) for B decoding requests with k
+drafts each, i.e. B x (k + 1) query tokens, on contexts of --context tokens. The knee where the time stops being
+flat (weight-bound) and grows with the tokens (compute-bound) sets adaptive.DEFAULT_MAX_VERIFY_TOKENS.
+
+    .venv/bin/python benchmarks/spec_decode_step_cost.py [--model M] [--context 256] [--repeats 7]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import EngineCore
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=EngineConfig.model)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batches", default="1,2,4,8,16,32")
+    parser.add_argument("--drafts", default="0,1,3,7,15")
+    args = parser.parse_args()
+    engine = EngineCore(EngineConfig(model=args.model, max_model_len=args.context + 64))
+    batches = [int(b) for b in args.batches.split(",")]
+    drafts = [int(k) for k in args.drafts.split(",")]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for i in range(max(batches)):  # prefill every request, then one decode so each has an output token
+        engine.add_request(str(i), [(i * 7 + j) % 5000 + 100 for j in range(args.context)], params)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()
+    requests = list(engine.scheduler.running)
+    print(f"step time (ms, median of {args.repeats}) by batch B (rows) and drafts k per request; "
+          f"tokens = B x (k + 1); context {args.context}")
+    print("B \\ k " + "".join(f"{k:>10}" for k in drafts))
+    for b in batches:
+        row = []
+        for k in drafts:
+            batch = requests[:b]
+            times = []
+            for _ in range(args.repeats):
+                sched = SchedulerOutput()
+                for r in batch:
+                    r.spec_token_ids = [(r.num_tokens + j) % 5000 + 100 for j in range(k)]
+                    assert engine.kv_cache.allocate_slots(r, k + 1)
+                    sched.requests.append(r)
+                    sched.num_scheduled_tokens[r.request_id] = k + 1
+                tables = {r.request_id: engine.kv_cache.block_ids(r.request_id) for r in batch}
+                start = time.perf_counter()
+                engine.runner.execute(sched, tables)
+                times.append(time.perf_counter() - start)
+                for r in batch:  # nothing was accepted: back to where it was
+                    r.spec_token_ids = []
+                    engine.kv_cache.keep_verified(r, r.num_computed_tokens)
+            row.append(statistics.median(times) * 1000)
+        print(f"{b:<6}" + "".join(f"{t:>10.1f}" for t in row))
+
+
+if __name__ == "__main__":
+    main()

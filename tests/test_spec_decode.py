@@ -1,0 +1,340 @@
+"""Speculative decoding (--speculative-config, tokenmill/engine/spec_decode/).
+
+Against the engine without speculation, on copy-heavy prompts so that drafts are really accepted (asserted from
+the counters): greedy token ids are equal with ngram and suffix proposers, under chunked prefill, prefix hits and
+preemption, and seeded sampling gives the same tokens too; a stop token, EOS or max_tokens inside an accepted run
+ends the request at that token; only blocks of real (accepted) tokens enter the prefix cache. The rejection sampler
+alone: chi-square tests that its output is distributed as the target (temperature, top-k, top-p), for a one-hot
+draft and for a draft distribution that differs from the target."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenmill.engine.runner as runner_module
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.block_hash import hash_request_blocks
+from tokenmill.engine.request import Request
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.spec_decode import adaptive
+from tokenmill.engine.spec_decode.config import SpeculativeConfig
+from tokenmill.engine.spec_decode.ngram_proposer import NgramProposer
+from tokenmill.engine.spec_decode.rejection_sampler import general_rejection_sample, verify
+from tokenmill.engine.spec_decode.suffix_proposer import SuffixProposer
+
+PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the one hundred and twelve "
+    "steps as his father had done before him. From the lantern room he could see the whole bay.",
+    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = len(items) // 2\n"
+    "    left = merge_sort(items[:middle])\n    right = merge_sort(items[middle:])\n    return merge(left, right)\n",
+    "Dear Ms. Alvarez, thank you for your letter of the fourteenth. I am sorry to hear that the parcel arrived "
+    "damaged. We have sent a replacement by express courier, and it should reach you by Thursday.",
+]
+PROMPTS = [f"Repeat the following text exactly.\n\nText: {p}\n\nRepeated text:" for p in PASSAGES]
+MAX_TOKENS = 40
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+METHODS = [{"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix"}]
+
+_WEIGHTS: dict = {}
+
+
+def make_llm(**kw) -> LLM:
+    """A fresh engine per configuration, the weights loaded once (as in test_correctness.py)."""
+    real = runner_module.load_model
+
+    def load_once(info, dtype, device, max_positions, quantization):
+        key = (dtype, quantization)
+        if key not in _WEIGHTS:
+            _WEIGHTS[key] = real(info, dtype, device, max_positions, quantization)
+        return _WEIGHTS[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_module, "load_model", load_once)
+        return LLM(device="cpu", dtype="float32", max_model_len=512, kv_cache_memory="64MiB", **kw)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain(prompt_ids):
+    """Greedy ids without speculation (whole prompts in one step), the reference of every greedy test."""
+    llm = make_llm()
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_ids, GREEDY, use_tqdm=False)]
+
+
+def spec_stats(llm: LLM) -> dict:
+    return {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
+
+
+def assert_accepted(llm: LLM) -> dict:
+    stats = spec_stats(llm)
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > stats["spec_num_drafts"], stats
+    assert sum(stats["spec_accepted_per_pos"]) == stats["spec_num_accepted_tokens"]
+    return stats
+
+
+# ---- the engine ----
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", METHODS, ids=lambda c: c["method"])
+def test_greedy_equals_plain_chunked_and_prefix_hits(config, prompt_ids, plain):
+    # budget 48: every prompt is prefilled in chunks, and the chunks share steps with verified drafts
+    llm = make_llm(speculative_config=config, max_num_batched_tokens=48)
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        steps.append({r.request_id: (out.num_scheduled_tokens[r.request_id], len(r.spec_token_ids))
+                      for r in out.requests})
+        return out
+
+    llm.engine.scheduler.schedule = recording
+    outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert_accepted(llm)
+    assert max(len(p) for p in prompt_ids) > 48
+    assert all(sum(n for n, _ in s.values()) <= 48 for s in steps)
+    assert any(any(d for _, d in s.values()) and any(n > 1 and not d for n, d in s.values()) for s in steps), \
+        "no step verified drafts beside a prefill chunk"
+    # Only real tokens' blocks are cached: every cached key is on the chain of some prompt + output, and every
+    # full block of the computed tokens (all but the last output token) is cached, those filled by accepted
+    # drafts included.
+    pool, bs = llm.engine.kv_cache.pool, llm.engine.kv_cache.block_size
+    chains = [hash_request_blocks(p + o.outputs[0].token_ids, bs) for p, o in zip(prompt_ids, outs)]
+    real = {h for chain in chains for h in chain}
+    assert set(pool.cached) <= real
+    for p, o, chain in zip(prompt_ids, outs, chains):
+        computed = len(p) + len(o.outputs[0].token_ids) - 1
+        assert all(h in pool.cached for h in chain[:computed // bs])
+    # Again, the outputs appended to the prompts: the prefix cache serves prompt and accepted-output blocks.
+    hits_before = llm.engine.stats()["prefix_cache_hits"]
+    longer = [p + o.outputs[0].token_ids[:24] for p, o in zip(prompt_ids, outs)]
+    again = llm.generate(longer, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16), use_tqdm=False)
+    assert all(o.num_cached_tokens >= (len(p) - 1) // bs * bs for o, p in zip(again, longer))
+    assert llm.engine.stats()["prefix_cache_hits"] > hits_before
+    for o, p, full in zip(again, prompt_ids, plain):
+        assert o.outputs[0].token_ids == full[24:40]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", METHODS, ids=lambda c: c["method"])
+def test_greedy_equals_plain_under_preemption(config, prompt_ids, plain):
+    # 12 blocks of 16 tokens hold one sequence (~110 tokens) but not three at once
+    llm = make_llm(speculative_config=config, num_gpu_blocks_override=12)
+    outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+    assert llm.engine.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert_accepted(llm)
+    pool = llm.engine.kv_cache.pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free_blocks == 12
+
+
+@pytest.mark.slow
+def test_seeded_sampling_equals_plain(prompt_ids):
+    """Verification draws each position as the sampler does, from the request's generator, rewound past the
+    positions that emitted nothing: a seeded request gets the same tokens with and without speculation."""
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=24, ignore_eos=True)
+              for t, k, p, s in ((0.3, 20, 1.0, 1), (0.5, 0, 0.9, 2))]
+    want = [o.outputs[0].token_ids for o in make_llm().generate(prompt_ids[:2], params, use_tqdm=False)]
+    llm = make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    got = [o.outputs[0].token_ids for o in llm.generate(prompt_ids[:2], params, use_tqdm=False)]
+    assert got == want
+    assert_accepted(llm)
+
+
+def run_engine(llm: LLM, prompt: list[int], params: SamplingParams, eos: int | None = None):
+    """The engine's outputs for one request, step by step: [(new token ids, finish reason)]."""
+    engine = llm.engine
+    engine.add_request("r", prompt, params, eos_token_id=eos)
+    chunks = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.new_token_ids:
+                chunks.append((list(o.new_token_ids), o.finish_reason))
+    return chunks
+
+
+@pytest.mark.slow
+def test_stop_eos_and_max_tokens_inside_an_accepted_run(prompt_ids, plain):
+    config = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    chunks = run_engine(make_llm(speculative_config=config), prompt_ids[0], GREEDY)
+    tokens = [t for c, _ in chunks for t in c]
+    assert tokens == plain[0]
+    # a run of >= 3 tokens whose second token is new to the output: end there, inside the run
+    at = 0
+    for c, _ in chunks:
+        if len(c) >= 3 and c[1] not in tokens[:at + 1]:
+            break
+        at += len(c)
+    else:
+        pytest.fail(f"no accepted run of 3 tokens: {chunks}")
+    stop = tokens[at + 1]
+    want = tokens[:at + 2]
+    cases = {"stop_token_ids": (SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop],
+                                               ignore_eos=True), None, "stop"),
+             "eos": (SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), stop, "stop"),
+             "max_tokens": (SamplingParams(temperature=0.0, max_tokens=at + 2, ignore_eos=True), None, "length")}
+    for name, (params, eos, reason) in cases.items():
+        llm = make_llm(speculative_config=config)
+        got = run_engine(llm, prompt_ids[0], params, eos)
+        assert [t for c, _ in got for t in c] == want, name
+        assert got[-1][1] == reason and len(got[-1][0]) == 2, (name, got[-1])  # cut inside the verified run
+        assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
+@pytest.mark.slow
+def test_options_without_drafts_behave_as_before(prompt_ids, plain):
+    """logprobs, penalties and stop strings get no drafts (speculator.can_speculate): same output, nothing drafted."""
+    llm = make_llm(speculative_config={"method": "ngram"})
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16, logprobs=1)
+    outs = llm.generate(prompt_ids[:1], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == plain[0][:16] and len(outs[0].outputs[0].logprobs) == 16
+    assert spec_stats(llm)["spec_num_drafts"] == 0
+
+
+# ---- proposers, adaptive rule, config ----
+
+def test_ngram_proposes_after_the_longest_latest_match():
+    proposer = NgramProposer(2, 3)
+    tokens = [1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 6, 1, 2, 3]
+    # the 3-gram (1, 2, 3) occurred at the start: what followed it there
+    assert proposer.propose("a", tokens, 3) == [9, 9, 7]
+    # a 2-gram only: (2, 3) last occurred before 4, 5
+    assert proposer.propose("b", [2, 3, 4, 5, 8, 8, 2, 3], 2) == [4, 5]
+    assert proposer.propose("c", [1, 2, 3, 4], 3) == []
+    # incremental: new tokens extend the index
+    tokens += [9, 9, 7, 2, 3, 4]
+    assert proposer.propose("a", tokens, 2) == [5, 6]
+
+
+def test_suffix_proposes_from_the_request_and_from_past_outputs():
+    proposer = SuffixProposer(max_depth=8, max_cached_requests=2, max_spec_factor=2.0, min_token_prob=0.1)
+    prompt = [5, 6, 7, 8]
+    proposer.finish("old", prompt + [10, 11, 12, 13, 14, 15], len(prompt))
+    # the context's tail (10, 11, 12) matches the past output: its continuation, at most 2 x 3 tokens
+    assert proposer.propose("new", [1, 2, 10, 11, 12], 8) == [13, 14, 15]
+    # the request's own text: (3, 4) occurred earlier, followed by 5 6 5 6
+    assert proposer.propose("own", [3, 4, 5, 6, 5, 6, 0, 3, 4], 3) == [5, 6, 5]
+    # bounded: the oldest outputs leave the global index
+    proposer.finish("b", [0, 20, 21, 22, 23], 1)
+    proposer.finish("c", [0, 30, 31, 32, 33], 1)
+    assert proposer.propose("x", [10, 11, 12], 4) == []
+    assert proposer.propose("y", [30, 31], 2) == [32, 33]
+
+
+def test_suffix_prefers_the_most_frequent_continuation():
+    proposer = SuffixProposer(max_depth=8, max_cached_requests=10, max_spec_factor=4.0, min_token_prob=0.3)
+    for i, tail in enumerate(([7, 8], [7, 8], [7, 9])):
+        proposer.finish(str(i), [0, 1, 2] + tail, 1)
+    # after (1, 2): 7 always, then 8 two times out of three (path probability 2/3 >= 0.3)
+    assert proposer.propose("q", [1, 2], 4) == [7, 8]
+
+
+def test_adaptive_draft_length():
+    assert adaptive.drafts_for_rate(0.9, 8) == 8  # 0.9^8 = 0.43
+    assert adaptive.drafts_for_rate(0.5, 8) == 1
+    assert adaptive.drafts_for_rate(0.2, 8) == 0
+    estimate = adaptive.AcceptanceEstimate()
+    for _ in range(10):
+        estimate.update(4, 4)
+    assert adaptive.draft_length(estimate, 6) == 6
+    for _ in range(10):
+        estimate.update(4, 0)
+    lengths = [adaptive.draft_length(estimate, 6) for _ in range(adaptive.PROBE_INTERVAL)]
+    assert lengths == [0] * (adaptive.PROBE_INTERVAL - 1) + [1]  # off, then re-measured with one draft
+    assert adaptive.per_request_cap(1, 16) == 15 and adaptive.per_request_cap(8, 16) == 1
+    assert adaptive.per_request_cap(16, 16) == 0
+
+
+def test_config_parse():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 4, 4)
+    assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 24
+    for bad in ('{"method": "eagle"}', '{"method": "ngram", "nope": 1}', "[1]", "{"):
+        with pytest.raises(ValueError):
+            SpeculativeConfig.parse(bad)
+
+
+# ---- the rejection sampler ----
+
+VOCAB = 8
+N = 4000
+
+
+def chi_square_p(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of the samples (token ids) against the distribution probs, over the tokens it can produce."""
+    from scipy.stats import chisquare
+    support = (probs > 0).nonzero().squeeze(1)
+    counts = torch.bincount(samples, minlength=VOCAB).double()
+    assert counts[probs == 0].sum() == 0, "a token outside the target's support was emitted"
+    expected = probs[support].double() / probs[support].double().sum() * len(samples)
+    return float(chisquare(counts[support].numpy(), expected.numpy()).pvalue)
+
+
+def target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    r = Request("t", [0], params, None, 4)
+    probs = sampler.target_probs(logits[None], [r], [False])[0]
+    return probs / probs.sum()
+
+
+SAMPLING = {"temperature": SamplingParams(temperature=0.7), "top_k": SamplingParams(temperature=1.0, top_k=3),
+            "top_p": SamplingParams(temperature=1.0, top_p=0.7)}
+
+
+@pytest.mark.parametrize("name", SAMPLING)
+def test_verify_with_one_hot_drafts_is_distributed_as_target(name):
+    """N requests, each with drafts [x0, x1] (x0: a likely token, not the likeliest), verified in one call:
+    the first emitted token is distributed as p_0, and the second, among runs that accepted x0, as p_1."""
+    torch.manual_seed(0)
+    params = SAMPLING[name]
+    logits = torch.randn(3, VOCAB) * 1.5
+    p0, p1 = target(logits[0], params), target(logits[1], params)
+    x0, x1 = int(p0.argsort(descending=True)[1]), int(p1.argmax())
+    requests = []
+    for i in range(N):
+        r = Request(str(i), [0], params, None, 8)
+        r.spec_token_ids = [x0, x1]
+        requests.append(r)
+    sampler = Sampler(VOCAB, torch.device("cpu"), seed=1)
+    emitted = verify(sampler, logits.repeat(N, 1), requests)
+    first = torch.tensor([e[0] for e in emitted])
+    assert chi_square_p(first, p0) > 1e-3
+    second = torch.tensor([e[1] for e in emitted if e[0] == x0])
+    assert len(second) > N * p0[x0] * 0.8
+    assert chi_square_p(second, p1) > 1e-3
+    # acceptance really happened, at the rate p0(x0)
+    assert abs((first == x0).double().mean() - p0[x0]) < 0.05
+
+
+@pytest.mark.parametrize("name", SAMPLING)
+def test_general_rejection_sampling_is_distributed_as_target(name):
+    """A draft distribution q unlike the target p (a draft model's): drafts drawn from q, then verified."""
+    torch.manual_seed(1)
+    params = SAMPLING[name]
+    logits = torch.randn(3, VOCAB) * 1.5
+    p = torch.stack([target(row, params) for row in logits])
+    q = torch.softmax(torch.randn(2, VOCAB), dim=-1)  # full support, so it proposes tokens p excludes
+    generator = torch.Generator().manual_seed(2)
+    firsts, seconds = [], []
+    for _ in range(N):
+        drafts = [int(torch.multinomial(q[j], 1, generator=generator)) for j in range(2)]
+        out = general_rejection_sample(p, q, drafts, generator)
+        firsts.append(out[0])
+        if len(out) > 1:
+            seconds.append(out[1])
+    assert chi_square_p(torch.tensor(firsts), p[0]) > 1e-3
+    assert chi_square_p(torch.tensor(seconds), p[1]) > 1e-3
+
+
+def test_batched_uniforms_equal_single_draws():
+    """The seeded-request rewind relies on it: one draw of n uniforms equals n draws of one."""
+    a = torch.Generator().manual_seed(5)
+    b = torch.Generator().manual_seed(5)
+    many = torch.rand(7, dtype=torch.float64, generator=a)
+    ones = torch.cat([torch.rand(1, dtype=torch.float64, generator=b) for _ in range(7)])
+    assert torch.equal(many, ones)

@@ -1,0 +1,75 @@
+"""How many drafts a request gets this step: from its measured acceptance, and from the batch.
+
+Per request: drafts are accepted one after another until the first rejection, so with a per-draft acceptance
+rate a the j-th draft is verified usefully with probability a^j. The rate is estimated from the request's own
+history, an exponential moving average of (accepted drafts) / (drafts looked at), where a step that accepted n
+of k drafts looked at n + 1 of them if one was rejected, n if all were accepted (the maximum-likelihood estimate
+of a geometric run). The request gets the largest k with a^k >= MIN_POSITION_PROB (capped by
+num_speculative_tokens): a draft that will probably be thrown away costs a row of compute for nothing. A request
+whose estimate falls so low that it gets none is re-measured with one draft every PROBE_INTERVAL steps (text
+changes: a copy may start later in the answer).
+
+Per batch: a step's cost is flat in its number of tokens while it is bound by reading the weights, and grows in
+proportion once it is bound by compute. Below that knee drafts are nearly free; above it every draft costs
+about what a decode row costs and earns less (a < 1), so batching beats speculation. A step therefore verifies at
+most max_verify_tokens tokens (decode rows + drafts); past that, drafts are cut evenly (each request at most
+max_verify_tokens // decode rows - 1), and at high concurrency none are proposed at all.
+
+DEFAULT_MAX_VERIFY_TOKENS is provisional: 16 rows is twice the small-M linear kernel's 8-row tile, where a bf16
+decode step had grown from 10.9 ms (1 row) to 20.5 ms (8 rows) on the 2-core Zen 4 EPYC (README). Its measurement,
+benchmarks/spec_decode_step_cost.py (step time by decode rows x drafts), ran only on a loaded machine, where it
+was noise; it is to be rerun quietly and the knee put here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_VERIFY_TOKENS = 16
+MIN_POSITION_PROB = 0.3
+EMA_DECAY = 0.7  # weight of the past in the acceptance estimate, per speculative step
+PRIOR_ACCEPTED, PRIOR_SEEN = 1.0, 2.0  # a new request starts at a = 0.5, worth about two steps of evidence
+PROBE_INTERVAL = 8
+
+
+@dataclass
+class AcceptanceEstimate:
+    accepted: float = PRIOR_ACCEPTED
+    seen: float = PRIOR_SEEN
+    steps_without_drafts: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.seen
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        looked_at = num_accepted + (1 if num_accepted < num_drafts else 0)
+        self.accepted = EMA_DECAY * self.accepted + num_accepted
+        self.seen = EMA_DECAY * self.seen + looked_at
+
+
+def drafts_for_rate(rate: float, max_drafts: int) -> int:
+    """The largest k <= max_drafts with rate^k >= MIN_POSITION_PROB."""
+    k, reach = 0, 1.0
+    while k < max_drafts:
+        reach *= rate
+        if reach < MIN_POSITION_PROB:
+            break
+        k += 1
+    return k
+
+
+def draft_length(estimate: AcceptanceEstimate, max_drafts: int) -> int:
+    """This request's draft length from its acceptance alone (a probe of 1 now and then when that is 0)."""
+    k = drafts_for_rate(estimate.rate, max_drafts)
+    if k:
+        estimate.steps_without_drafts = 0
+        return k
+    estimate.steps_without_drafts += 1
+    if estimate.steps_without_drafts >= PROBE_INTERVAL:
+        estimate.steps_without_drafts = 0
+        return min(1, max_drafts)
+    return 0
+
+
+def per_request_cap(num_decodes: int, max_verify_tokens: int) -> int:
+    """The most drafts each of num_decodes decoding requests may have so the step verifies <= max_verify_tokens."""
+    return max(0, max_verify_tokens // max(1, num_decodes) - 1)

@@ -1,0 +1,88 @@
+"""The scheduler's side of speculative decoding: which running requests get drafts this step, how many, from
+which proposer; and the counters behind vllm:spec_decode_* metrics.
+
+A request gets drafts only while it is decoding (its one uncomputed token is the last one sampled), and only if
+its sampling needs nothing per position that verification does not reproduce. It gets none, and runs exactly as
+without speculation, when it has: structured output or a thinking tracker (grammar/budget state advanced token
+by token), repetition/presence/frequency penalties or logit_bias (logits edited from the output so far),
+min_tokens not yet reached (EOS masked), logprobs (one entry per token), or stop strings (matched on text by the
+front end, which would receive tokens past the stop in the same output). Stop token ids, EOS and max_tokens work
+with drafts: the engine ends the request at the first of them in an accepted run (engine.py)."""
+from __future__ import annotations
+
+from tokenmill.engine.request import Request
+from tokenmill.engine.spec_decode import adaptive
+from tokenmill.engine.spec_decode.config import SpeculativeConfig
+from tokenmill.engine.spec_decode.ngram_proposer import NgramProposer
+from tokenmill.engine.spec_decode.suffix_proposer import SuffixProposer
+
+
+def make_proposer(config: SpeculativeConfig):
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                          config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+
+
+def can_speculate(r: Request) -> bool:
+    p = r.params
+    return (r.pooling is None and p.structured_outputs is None and r.thinking is None and p.logprobs is None
+            and not p.logit_bias and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and r.num_output_tokens >= p.min_tokens and not p.stop)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.proposer = make_proposer(config)
+        self.max_verify_tokens = config.max_verify_tokens or adaptive.DEFAULT_MAX_VERIFY_TOKENS
+        self.estimates: dict[str, adaptive.AcceptanceEstimate] = {}
+        # cumulative, for SchedulerStats (vLLM's counters)
+        self.num_drafts = 0  # verification steps of a request that had drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * config.num_speculative_tokens
+
+    def plan(self, running: list[Request], token_budget: int, max_model_len: int) -> None:
+        """Sets spec_token_ids of the running requests that get drafts this step (every other one's to []).
+        Drafts never take a token from the step's normal work: they fit in what the budget leaves over."""
+        demand = 0
+        decoding = []
+        for r in running:
+            r.spec_token_ids = []
+            demand += r.num_tokens - r.num_computed_tokens
+            if r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens and can_speculate(r):
+                decoding.append(r)
+        room = token_budget - demand
+        if not decoding or room <= 0:
+            return
+        cap = self.config.num_speculative_tokens
+        if self.config.adaptive:
+            num_decodes = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
+            cap = min(cap, adaptive.per_request_cap(num_decodes, self.max_verify_tokens))
+        for r in decoding:
+            if room <= 0 or cap <= 0:
+                break
+            # a run of k accepted drafts emits k + 1 tokens: never past max_tokens or the context
+            k = min(cap, room, r.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
+            if self.config.adaptive and k > 0:
+                estimate = self.estimates.setdefault(r.request_id, adaptive.AcceptanceEstimate())
+                k = adaptive.draft_length(estimate, k)
+            if k <= 0:
+                continue
+            r.spec_token_ids = self.proposer.propose(r.request_id, r.all_token_ids, k)[:k]
+            room -= len(r.spec_token_ids)
+
+    def record(self, r: Request, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+        estimate = self.estimates.get(r.request_id)
+        if estimate is not None:
+            estimate.update(num_drafts, num_accepted)
+
+    def finish(self, r: Request) -> None:
+        self.estimates.pop(r.request_id, None)
+        self.proposer.finish(r.request_id, r.all_token_ids, r.num_prompt_tokens)

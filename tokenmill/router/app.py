@@ -1,0 +1,161 @@
+"""`tokenmill router`: the app (OpenAI routes proxied to the replicas, health, metrics), its start-up and CLI.
+
+Start-up: load the served model's tokenizer (no weights), check every replica's /health/ready once, subscribe
+to each replica's KV events, then poll health every --health-check-interval. Like the API server, the router
+imports no torch. On SIGTERM it drains as the server does (tokenmill/server/lifecycle.py): new requests get 503
+(and /health turns 503, for a load balancer in front), in-flight ones finish, then it exits."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+
+import httpx
+import uvicorn
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from tokenmill.router.kv_index import KVEventSubscriber, KVIndex
+from tokenmill.router.metrics import CONTENT_TYPE, RouterMetrics
+from tokenmill.router.policy import make_policy
+from tokenmill.router.prompt_tokens import PromptTokenizer
+from tokenmill.router.proxy import RouterState, forward, forward_get
+from tokenmill.router.replicas import Replica, ReplicaSet
+from tokenmill.router.router_config import RouterConfig
+from tokenmill.router.tenants import AdmissionQueue, TenantRegistry, load_tenants
+from tokenmill.router.tracing import make_router_tracer
+from tokenmill.server.errors import ServiceUnavailable, error_response, exception_response
+from tokenmill.server.lifecycle import CONTROL_PATHS, DrainingServer, Lifecycle
+
+logger = logging.getLogger("tokenmill.router")
+
+
+def build_state(config: RouterConfig, tokenizer) -> RouterState:
+    client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=2.0),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    replicas = [Replica(url, KVIndex(url, config.block_size)) for url in config.backend]
+    tenants = TenantRegistry(load_tenants(config.tenants_config)) if config.tenants_config else None
+    return RouterState(config, ReplicaSet(replicas, client, config.health_check_interval),
+                       make_policy(config.policy, config.load_tokens_per_request, config.session_load_factor),
+                       PromptTokenizer(tokenizer), RouterMetrics(), client, tenants,
+                       AdmissionQueue(config.max_concurrent_requests, config.max_queued_requests,
+                                      config.queue_timeout),
+                       make_router_tracer(config.otlp_traces_endpoint))
+
+
+class DrainGate:
+    """Outermost ASGI app: while draining, work is refused with 503 (control paths still answer); in-flight
+    requests are counted for the drain."""
+
+    def __init__(self, app, lifecycle: Lifecycle, state: RouterState):
+        self.app, self.lifecycle, self.state = app, lifecycle, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in CONTROL_PATHS:
+            return await self.app(scope, receive, send)
+        lc = self.lifecycle
+        if lc.phase != "ready":
+            self.state.metrics.rejections.labels("", "draining").inc()
+            return await exception_response(ServiceUnavailable("the router is shutting down"))(scope, receive, send)
+        lc.begin()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            lc.end()
+
+
+def build_app(state: RouterState, lifecycle: Lifecycle | None = None):
+    config = state.config
+    lifecycle = lifecycle or Lifecycle(config.shutdown_timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx = zmq.asyncio.Context()
+        tasks = []
+        for i, replica in enumerate(state.replicas.replicas):
+            if config.kv_events_endpoint:
+                replay = config.kv_events_replay_endpoint[i] if config.kv_events_replay_endpoint else None
+                subscriber = KVEventSubscriber(replica.index, config.kv_events_endpoint[i], replay, ctx)
+                tasks.append(asyncio.create_task(subscriber.run()))
+        await state.replicas.check_all()
+        tasks.append(asyncio.create_task(state.replicas.poll_forever()))
+        admitted = sum(r.healthy for r in state.replicas.replicas)
+        logger.info("routing to %d replicas (%d admitted now) with --policy %s", len(state.replicas.replicas),
+                    admitted, config.policy)
+        lifecycle.phase = "ready"
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await state.client.aclose()
+            ctx.destroy(linger=0)
+            if state.tracer is not None:
+                state.tracer.shutdown()
+
+    app = FastAPI(title="tokenmill router", lifespan=lifespan)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await forward(state, request, "/v1/chat/completions", "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await forward(state, request, "/v1/completions", "completions")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await forward(state, request, "/v1/embeddings", "other")
+
+    @app.get("/v1/models")
+    async def models():
+        return await forward_get(state, "/v1/models")
+
+    @app.get("/health")
+    @app.get("/health/ready")
+    async def health():
+        if lifecycle.phase != "ready":
+            return error_response(503, "the router is shutting down", "service_unavailable_error")
+        if state.replicas.routable():
+            return Response(status_code=200)
+        return error_response(503, "no replica is admitted", "service_unavailable_error")
+
+    @app.get("/health/live")
+    async def live():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(state.replicas.replicas, state.admission), media_type=CONTENT_TYPE)
+
+    return DrainGate(app, lifecycle, state)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    RouterConfig.add_cli_args(parser)
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    from tokenmill.models.paths import resolve_model_path
+    from tokenmill.server.chat_utils import load_chat_template
+    from tokenmill.server.logs import configure_logging
+    from tokenmill.tokenizer import load_tokenizer
+    try:
+        config = RouterConfig.from_cli_args(args)
+        tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
+        if config.chat_template is not None:
+            tokenizer.chat_template = load_chat_template(config.chat_template)
+        configure_logging()
+        state = build_state(config, tokenizer)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and proxied request
+    lifecycle = Lifecycle(config.shutdown_timeout)
+    app = build_app(state, lifecycle)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+                                           log_config=None, timeout_keep_alive=30), lifecycle)
+    server.run()
+    return lifecycle.exit_code

@@ -1,0 +1,172 @@
+"""What each replica's prefix cache holds, kept from its KV events, and the cache hit a prompt would get there.
+
+The index is exact, not a guess from past request text: the engine publishes the keys of the blocks it caches
+and evicts (tokenmill/engine/kv_events.py), and the router computes a prompt's keys with the same function
+(tokenmill/engine/block_hash.py). The predicted hit is the longest run of the prompt's leading keys in the set,
+capped as the engine caps it (the last prompt token is always computed).
+
+Sequence numbers keep it honest: a gap is filled from the replica's replay socket, and a sequence number that
+goes backwards means the engine restarted, so everything known of the old process is dropped."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import zmq
+import zmq.asyncio
+
+from tokenmill.engine.block_hash import hash_request_blocks
+from tokenmill.engine.kv_event_publisher import END_OF_REPLAY
+from tokenmill.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventDecodeError,
+    decode_batch,
+)
+
+logger = logging.getLogger("tokenmill.router.kv_index")
+
+REPLAY_TIMEOUT_S = 2.0
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()) -> list[bytes]:
+    """The keys of the blocks the engine could find cached for this prompt: never the block holding its last
+    token (the engine always computes that token, for its logits)."""
+    num_blocks = (len(token_ids) - 1) // block_size if token_ids else 0
+    return hash_request_blocks(token_ids[:num_blocks * block_size], block_size, extra_keys)
+
+
+class KVIndex:
+    """One replica's cached block keys."""
+
+    def __init__(self, name: str, block_size: int):
+        self.name = name
+        self.block_size = block_size
+        self.blocks: set[bytes | int] = set()
+        self.next_seq: int | None = None  # the sequence number expected next; None before the first batch
+        self.num_gaps = 0
+        self.num_restarts = 0
+        self._warned_block_size = False
+
+    def predicted_cached_tokens(self, hashes: Sequence[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            n += 1
+        return n * self.block_size
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                if event.block_size != self.block_size and not self._warned_block_size:
+                    self._warned_block_size = True
+                    logger.warning("%s stores blocks of %d tokens but the router hashes blocks of %d: set "
+                                   "--block-size %d", self.name, event.block_size, self.block_size, event.block_size)
+                self.blocks.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.blocks.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.blocks.clear()
+
+
+class KVEventSubscriber:
+    """Feeds a KVIndex from a replica's PUB socket (and its replay socket, for gaps)."""
+
+    def __init__(self, index: KVIndex, endpoint: str, replay_endpoint: str | None, ctx: zmq.asyncio.Context,
+                 topic: str = ""):
+        self.index = index
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.ctx = ctx
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self.sub.connect(endpoint)
+        self._replayed: dict[int, bytes] = {}  # the start-up replay's batches, until the live stream passes them
+
+    async def run(self) -> None:
+        try:
+            await self.sync()
+            while True:
+                frames = await self.sub.recv_multipart()
+                if len(frames) != 3:
+                    logger.warning("%s: ignoring a KV event message of %d frames", self.index.name, len(frames))
+                    continue
+                await self.receive(int.from_bytes(frames[1], "big"), frames[2])
+        finally:
+            self.sub.close(linger=0)
+
+    async def sync(self) -> None:
+        """What the replica cached before we subscribed, from its replay buffer: the live batches that were
+        already in flight arrive again, and are recognised and skipped."""
+        if self.replay_endpoint is None:
+            return
+        self._replayed = await self._replay(0, None)
+        if self._replayed:
+            self.index.next_seq = max(self._replayed) + 1
+
+    async def receive(self, seq: int, payload: bytes) -> None:
+        index = self.index
+        expected = index.next_seq
+        if self._replayed:
+            if self._replayed.get(seq) == payload:
+                return  # seen in the start-up replay
+            self._replayed = {}
+        if expected is not None and seq < expected:
+            # The publisher counts from 0 again: a new engine process, whose cache starts empty.
+            logger.info("%s: KV event sequence restarted (%d after %d); dropping its index", index.name, seq,
+                        expected - 1)
+            index.num_restarts += 1
+            index.clear()
+            expected = 0 if seq > 0 else None
+        if expected is None and seq > 0:
+            await self.fill_gap(0, seq)  # joined late: what the replica cached before, as far as it buffers
+        elif expected is not None and seq > expected:
+            index.num_gaps += 1
+            await self.fill_gap(expected, seq)
+        try:
+            batch = decode_batch(payload)
+        except KVEventDecodeError as e:
+            logger.warning("%s: undecodable KV event batch %d: %s", index.name, seq, e)
+        else:
+            index.apply(batch)
+        index.next_seq = seq + 1
+
+    async def fill_gap(self, start: int, end: int) -> None:
+        """Replays batches start..end-1 (vLLM's protocol: send the start as 8 bytes, receive [seq, batch] until
+        seq -1). Without a replay endpoint the batches are lost and the index may be off until they are
+        superseded."""
+        if self.replay_endpoint is None:
+            logger.warning("%s: lost KV event batches %d..%d and no replay endpoint", self.index.name, start, end - 1)
+            return
+        await self._replay(start, end)
+
+    async def _replay(self, start: int, end: int | None) -> dict[int, bytes]:
+        """Applies the replica's buffered batches from start (to end, exclusive, if given); returns them by seq."""
+        name, applied = self.index.name, {}
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
+                _, seq_bytes, payload = frames
+                if seq_bytes == END_OF_REPLAY:
+                    return applied
+                seq = int.from_bytes(seq_bytes, "big")
+                if seq >= start and (end is None or seq < end):
+                    self.index.apply(decode_batch(payload))
+                    applied[seq] = payload
+        except (asyncio.TimeoutError, ValueError, zmq.ZMQError) as e:
+            logger.warning("%s: replay of KV event batches from %d failed: %r", name, start, e)
+        finally:
+            sock.close(linger=0)
+        return applied

@@ -1,0 +1,130 @@
+"""The replicas behind the router: their health, cooldowns and in-flight requests.
+
+A replica is routable while its last `GET /health/ready` passed and no cooldown runs. A failed check, or a
+connection that fails while proxying, ejects it at once; the next passing check re-admits it. A replica that
+answers 503 with Retry-After (overloaded, loading, draining) gets that many seconds of cooldown. An ejected
+replica's KV index is dropped: whatever comes back may be a new process with an empty cache.
+
+Load: the router counts the requests it has in flight on each replica, which it knows at once; with each health
+check it also reads the replica's own `vllm:num_requests_running` and `vllm:num_requests_waiting`, which include
+work from other clients and routers. A replica's load is the router's count plus whatever the replica reported
+beyond the router's count at that moment."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from tokenmill.router.kv_index import KVIndex
+
+logger = logging.getLogger("tokenmill.router.replicas")
+
+DEFAULT_COOLDOWN_S = 5.0  # after a 503 without a usable Retry-After
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    index: KVIndex
+    healthy: bool = False  # until the first check passes
+    cooldown_until: float = 0.0  # time.monotonic()
+    in_flight: int = 0  # requests the router has sent and not yet seen end
+    external_load: int = 0  # requests running or waiting on the replica that the router did not send (last poll)
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.external_load
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    def routable(self, now: float) -> bool:
+        return self.healthy and now >= self.cooldown_until
+
+
+@dataclass
+class ReplicaSet:
+    replicas: list[Replica]
+    client: httpx.AsyncClient
+    check_interval_s: float
+    on_change: list = field(default_factory=list)  # callbacks(replica) when health flips, for metrics
+
+    def routable(self) -> list[Replica]:
+        now = time.monotonic()
+        return [r for r in self.replicas if r.routable(now)]
+
+    def eject(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            logger.warning("ejecting %s: %s", replica.name, reason)
+        replica.healthy = False
+        replica.index.clear()
+        self._changed(replica)
+
+    def cool_down(self, replica: Replica, retry_after: str | None) -> None:
+        try:
+            seconds = float(retry_after) if retry_after is not None else DEFAULT_COOLDOWN_S
+        except ValueError:
+            seconds = DEFAULT_COOLDOWN_S
+        replica.cooldown_until = time.monotonic() + max(0.0, seconds)
+        logger.info("%s answered 503: no requests for %.1f s", replica.name, seconds)
+
+    async def check(self, replica: Replica) -> None:
+        try:
+            response = await self.client.get(replica.url + "/health/ready", timeout=self.check_interval_s * 2)
+            ok = response.status_code == 200
+            reason = f"/health/ready answered {response.status_code}"
+        except httpx.HTTPError as e:
+            ok, reason = False, f"/health/ready failed: {type(e).__name__}"
+        if ok and not replica.healthy:
+            logger.info("admitting %s", replica.name)
+            replica.healthy = True
+            self._changed(replica)
+        elif not ok:
+            self.eject(replica, reason)
+        if ok:
+            await self.read_load(replica)
+
+    async def read_load(self, replica: Replica) -> None:
+        in_flight_now = replica.in_flight
+        try:
+            response = await self.client.get(replica.url + "/metrics", timeout=self.check_interval_s * 2)
+        except httpx.HTTPError:
+            return  # the health check decides about ejection
+        if response.status_code == 200:
+            reported = replica_reported_load(response.text)
+            if reported is not None:
+                replica.external_load = max(0, reported - in_flight_now)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in self.replicas))
+
+    async def poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval_s)
+            await self.check_all()
+
+    def _changed(self, replica: Replica) -> None:
+        for callback in self.on_change:
+            callback(replica)
+
+
+LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def replica_reported_load(metrics_text: str) -> int | None:
+    """Running plus waiting requests from a replica's Prometheus text (summed over engines), or None."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        if line.startswith(LOAD_METRICS):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in LOAD_METRICS:
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                    seen = True
+                except (IndexError, ValueError):
+                    continue
+    return int(total) if seen else None

@@ -1,0 +1,83 @@
+"""The router's flags, as one dataclass: field = flag (tokenmill/config.py's CliConfig)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.config import DEFAULT_MODEL, CliConfig
+
+POLICIES = ["kv", "session", "round_robin", "least_load"]
+
+
+@dataclass
+class RouterConfig(CliConfig):
+    backend: list[str] = field(default_factory=list, metadata={
+        "nargs": "+", "help": "the replicas' base URLs, e.g. http://127.0.0.1:8001 http://127.0.0.1:8002"})
+    kv_events_endpoint: list[str] | None = field(default=None, metadata={
+        "nargs": "+", "help": "each replica's KV-event PUB endpoint, in --backend order (the replica's "
+                              "--kv-events-config endpoint with its host, e.g. tcp://127.0.0.1:5557); without it "
+                              "--policy kv predicts no cache hits and routes on load"})
+    kv_events_replay_endpoint: list[str] | None = field(default=None, metadata={
+        "nargs": "+", "help": "each replica's KV-event replay endpoint, in --backend order: a gap in the event "
+                              "sequence is filled from it"})
+    policy: str = field(default="kv", metadata={
+        "choices": POLICIES, "help": "kv: fewest predicted uncached prompt tokens plus load; session: the same "
+                                     "replica for the same x-session-id header or `user` field (bounded-load "
+                                     "consistent hashing); round_robin; least_load: fewest in-flight requests"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8080, metadata={"help": "port to listen on"})
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "the served model (HF directory, GGUF file, or SmolLM2-135M-Instruct): its tokenizer and chat "
+                "template give the router the replicas' token ids"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: the model's)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "the replicas' --chat-template, if they were given one (a file, a shipped name, or the text)"})
+    block_size: int = field(default=16, metadata={"help": "the replicas' --block-size"})
+    load_tokens_per_request: int = field(default=256, metadata={
+        "help": "--policy kv: each in-flight request on a replica costs as many prompt tokens as this, against "
+                "the tokens a cache hit saves (0: route on cache hits alone)"})
+    session_load_factor: float = field(default=1.25, metadata={
+        "help": "--policy session: a replica takes a session's request only while its in-flight requests are "
+                "below this factor times the mean (bounded-load consistent hashing)"})
+    health_check_interval: float = field(default=1.0, metadata={
+        "help": "seconds between GET /health/ready of each replica; a failed check ejects it, a passing one "
+                "re-admits it"})
+    max_attempts: int = field(default=3, metadata={
+        "help": "replicas tried for one request that fails before its first byte (each at most once)"})
+    request_timeout: float = field(default=600.0, metadata={"help": "seconds a proxied request may take"})
+    max_resumes: int = field(default=2, metadata={
+        "help": "times one stream may be resumed on another replica after its replica failed mid-stream (0: end "
+                "the stream with an error event instead)"})
+    tenants_config: str | None = field(default=None, metadata={
+        "help": "JSON file of API keys, each {\"tenant\": name, \"rpm\": N, \"tpm\": N}: every request then needs "
+                "'Authorization: Bearer <key>' and meets its tenant's requests- and tokens-per-minute limits (429 "
+                "with Retry-After); the key is not forwarded to the replicas"})
+    max_concurrent_requests: int = field(default=0, metadata={
+        "help": "requests the router has in flight over all tenants; more wait in the admission queue (0: no "
+                "limit, no queue)"})
+    max_queued_requests: int = field(default=256, metadata={
+        "help": "requests that may wait for --max-concurrent-requests; more are refused with 503 queue_full"})
+    queue_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a request may wait in the admission queue before a 503 queue_timeout"})
+    shutdown_timeout: float = field(default=600.0, metadata={
+        "help": "on SIGTERM the router stops admitting (503) and waits this long for in-flight requests"})
+    otlp_traces_endpoint: str | None = field(default=None, metadata={
+        "help": "OTLP/HTTP endpoint for OpenTelemetry spans (one per request, continuing the caller's "
+                "traceparent and passed on to the replica); also OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"})
+    uvicorn_log_level: str = field(default="warning", metadata={
+        "choices": ["critical", "error", "warning", "info", "debug", "trace"], "help": "uvicorn's log level"})
+
+    def __post_init__(self):
+        if not self.backend:
+            raise ValueError("give at least one --backend URL")
+        self.backend = [url.rstrip("/") for url in self.backend]
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.backend):
+                raise ValueError(f"--{name.replace('_', '-')} takes one endpoint per --backend "
+                                 f"({len(self.backend)}), got {len(values)}")
+        if self.max_attempts < 1 or self.block_size < 1 or self.health_check_interval <= 0:
+            raise ValueError("--max-attempts, --block-size and --health-check-interval must be positive")
+        if self.max_resumes < 0 or self.max_concurrent_requests < 0 or self.max_queued_requests < 0 \
+                or self.queue_timeout <= 0:
+            raise ValueError("--max-resumes, --max-concurrent-requests and --max-queued-requests must not be "
+                             "negative, --queue-timeout must be positive")
