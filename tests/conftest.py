@@ -80,3 +80,20 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt_ids):].tolist()
+
+
+def teacher_forced_agreement(llm, prompts: list[list[int]], refs: list[list[int]]) -> tuple[float, float]:
+    """The quality measure of the README and issue 15: the reference's greedy continuation fed as prompt; the
+    share of positions where the reference's token is also llm's top-1, and where it is llm's unique maximum
+    (strict: a tie counts as disagreement)."""
+    from tokenmill import SamplingParams
+    scored = llm.generate([p + r for p, r in zip(prompts, refs)],
+                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    top1, strict = [], []
+    for p, r, o in zip(prompts, refs, scored):
+        entries = o.prompt_logprobs[len(p):]
+        assert [e.token_id for e in entries] == r
+        for e in entries:
+            top1.append(e.rank == 1)
+            strict.append(e.rank == 1 and e.top_logprobs[1] < e.logprob)
+    return sum(top1) / len(top1), sum(strict) / len(strict)

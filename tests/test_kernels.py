@@ -2,6 +2,7 @@
 and bfloat16, for every ISA build this CPU can run (AVX-512 machines run the AVX2 build too)."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -27,6 +28,18 @@ def to_kernel_layout(k_cache, v_cache):
 
 def from_kernel_layout(k_kernel, v_kernel):
     return k_kernel.permute(0, 3, 1, 2), v_kernel.permute(0, 2, 1, 3)
+
+
+def scattered_tables(contexts: list[int], block_size: int, num_blocks: int, generator) -> list[list[int]]:
+    """Each sequence's blocks scattered over the pool in random order, the tables padded to one width."""
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    width = max(-(-c // block_size) for c in contexts)
+    tables, used = [], 0
+    for c in contexts:
+        n = -(-c // block_size)
+        tables.append(perm[used:used + n] + [0] * (width - n))
+        used += n
+    return tables
 
 
 def reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window=None):
@@ -100,13 +113,7 @@ def test_long_decode_split_across_threads(ops, dtype, kv_heads, group):
     g = torch.Generator().manual_seed(kv_heads)
     block_size, head_dim, seq_lens = 16, 64, [2000, 777][:3 - kv_heads if kv_heads < 3 else 1]
     num_blocks = sum(-(-c // block_size) for c in seq_lens)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, used = [], 0
-    width = max(-(-c // block_size) for c in seq_lens)
-    for c in seq_lens:
-        n = -(-c // block_size)
-        tables.append(perm[used:used + n] + [0] * (width - n))
-        used += n
+    tables = scattered_tables(seq_lens, block_size, num_blocks, g)
     qsl = list(range(len(seq_lens) + 1))
     q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g).to(dtype)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
@@ -128,14 +135,8 @@ def test_paged_attention_sliding_window(ops, dtype, window):
     seqs = [(1, 1), (window, 1), (window + 1, 1), (1500, 1), (700, 40), (300, 300), (window + 3, window + 3)]
     g = torch.Generator().manual_seed(window)
     num_blocks = sum(-(-c // block_size) for c, _ in seqs)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(-(-c // block_size) for c, _ in seqs)
-    tables, used, qsl = [], 0, [0]
-    for ctx, q_len in seqs:
-        n = -(-ctx // block_size)
-        tables.append(perm[used:used + n] + [0] * (width - n))
-        used += n
-        qsl.append(qsl[-1] + q_len)
+    tables = scattered_tables([c for c, _ in seqs], block_size, num_blocks, g)
+    qsl = [0, *itertools.accumulate(q_len for _, q_len in seqs)]
     q = torch.randn(qsl[-1], kv_heads * group, head_dim, generator=g).to(dtype)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)

@@ -8,11 +8,14 @@ same memory; teacher-forced top-1 agreement with HF float32 >= 0.97 for fp8_e4m3
 prefill, prefix caching and preemption give the tokens of a plain run."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
 
+from conftest import teacher_forced_agreement
+from test_kernels import reference_attention, scattered_tables
 from test_correctness import prefix_prompts, prompts, reference, stream  # noqa: F401 - fixtures
 from tokenmill.kernels import load_ops, runnable_isas
 from tokenmill.models.kv_quant import dequantize, quantize
@@ -87,24 +90,6 @@ def test_encode_is_bit_equal_to_torch(ops, cache_dtype, scale):
         assert torch.equal(got, quantize(src, s, cache_dtype).view(torch.uint8))  # the torch backend's writer
 
 
-def reference_attention(q, k, v, tables, seq_lens, qsl, scale, window=None):
-    """float64, one sequence at a time, from the (dequantized) blocks [blocks, block_size, kv_heads, D]."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    group = q.shape[1] // k.shape[2]
-    for s in range(len(seq_lens)):
-        a, b, ctx = qsl[s], qsl[s + 1], seq_lens[s]
-        n_blocks = -(-ctx // k.shape[1])
-        ks = k[tables[s][:n_blocks]].flatten(0, 1)[:ctx].double().repeat_interleave(group, 1)
-        vs = v[tables[s][:n_blocks]].flatten(0, 1)[:ctx].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), ks) * scale
-        qpos = torch.arange(ctx - (b - a), ctx)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx)[None, :] > qpos, float("-inf"))
-        if window is not None:
-            scores = scores.masked_fill(torch.arange(ctx)[None, :] <= qpos - window, float("-inf"))
-        out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
-    return out
-
-
 def random_batch(rng: random.Random, block_size: int, kinds: list[str]):
     seqs = []
     for kind in kinds:
@@ -132,14 +117,8 @@ def test_paged_attention_on_one_byte_caches(ops, cache_dtype, dtype, seed):
         seqs = seqs[-1:] + [(1500, 1)]  # a long decode alone in its batch: split along its context
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(-(-c // block_size) for c, _ in seqs)
-    tables, used, qsl = [], 0, [0]
-    for ctx, q_len in seqs:
-        n = -(-ctx // block_size)
-        tables.append(perm[used:used + n] + [0] * (width - n))
-        used += n
-        qsl.append(qsl[-1] + q_len)
+    tables = scattered_tables([c for c, _ in seqs], block_size, num_blocks, g)
+    qsl = [0, *itertools.accumulate(q_len for _, q_len in seqs)]
     # heads of different magnitudes and an outlier channel, with per-channel scales
     magnitude = torch.tensor([0.5, 3.0, 12.0])[:kv_heads, None] * torch.ones(head_dim)
     magnitude[:, 5] *= 20
@@ -204,22 +183,6 @@ def test_one_byte_pool_holds_twice_the_tokens_of_bf16():
         del llm
     print(f"\ntokens in 512 MiB: {tokens}")
     assert tokens["fp8_e4m3"] >= 1.9 * tokens["auto"] and tokens["int8"] >= 1.9 * tokens["auto"]
-
-
-def teacher_forced_agreement(llm, prompts, refs) -> tuple[float, float]:
-    """test_correctness's measure: HF's fp32 greedy continuation fed as prompt; the share of positions where HF's
-    token is also ours (top-1), and where it is our unique maximum (strict)."""
-    from tokenmill import SamplingParams
-    scored = llm.generate([p + r for p, r in zip(prompts, refs)],
-                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
-    top1, strict = [], []
-    for p, r, o in zip(prompts, refs, scored):
-        entries = o.prompt_logprobs[len(p):]
-        assert [e[0] for e in entries] == r
-        for token, logprob, rank, top_ids, top_logprobs in entries:
-            top1.append(rank == 1)
-            strict.append(rank == 1 and top_logprobs[1] < logprob)
-    return sum(top1) / len(top1), sum(strict) / len(strict)
 
 
 @pytest.mark.parametrize("kv,calculate,floor", [("fp8_e4m3", False, 0.92), ("fp8_e4m3", True, 0.95),

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from conftest import teacher_forced_agreement
 from tokenmill.kernels import load_ops, runnable_isas
 from tokenmill.models.quantization import QuantizedTensor, QuantizedWeight, from_gguf, quantize
 
@@ -148,19 +149,6 @@ def engines():
         torch.set_num_threads(threads)
 
 
-def teacher_forced_agreement(llm, prompts, refs) -> float:
-    """The share of positions where the reference's greedy token is also llm's top-1 (test_correctness's measure)."""
-    from tokenmill import SamplingParams
-    scored = llm.generate([p + r for p, r in zip(prompts, refs)],
-                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    top1 = []
-    for p, r, o in zip(prompts, refs, scored):
-        entries = o.prompt_logprobs[len(p):]
-        assert [e.token_id for e in entries] == r
-        top1 += [e.rank == 1 for e in entries]
-    return sum(top1) / len(top1)
-
-
 @pytest.mark.slow
 def test_kept_quantized_agrees_with_dequantized_and_int8_with_float32(engines, tokenizer):
     from tokenmill import SamplingParams
@@ -172,7 +160,7 @@ def test_kept_quantized_agrees_with_dequantized_and_int8_with_float32(engines, t
     prompts = [stream[i * 16:i * 16 + n] for i, n in enumerate([5, 9, 12, 20, 31, 47, 64, 90])]
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=32)
     refs = [o.outputs[0].token_ids for o in engines["none"].generate(prompts, greedy, use_tqdm=False)]
-    figures = {name: teacher_forced_agreement(engines[name], prompts, refs)
+    figures = {name: teacher_forced_agreement(engines[name], prompts, refs)[0]
                for name in ("auto", "int8", "auto_small", "int8_small")}
     print("\nteacher-forced top-1 agreement with the dequantized float32 model: " +
           ", ".join(f"{name} {value:.3f}" for name, value in figures.items()))

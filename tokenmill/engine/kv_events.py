@@ -10,11 +10,12 @@ digests, which vLLM's format allows (its ExternalBlockHash is bytes or int).
 Torch-free: the router imports this module."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from tokenmill.json_flag import parse_json_flag
 
 # vLLM's name for the engine's own KV pool (the tier a router indexes), whatever the device; vLLM-CPU says it too.
 MEDIUM_GPU = "GPU"
@@ -154,11 +155,4 @@ class KVEventsConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
-        try:
-            values = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--kv-events-config is not JSON: {e}") from None
-        known = {f.name for f in fields(cls)}
-        if not isinstance(values, dict) or set(values) - known:
-            raise ValueError(f"--kv-events-config takes a JSON object with the keys {sorted(known)}")
-        return cls(**values)
+        return parse_json_flag(cls, "--kv-events-config", text)

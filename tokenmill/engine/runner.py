@@ -123,8 +123,8 @@ class ModelRunner:
                 input_ids[offset] = r.all_token_ids[start]
                 positions[offset] = start
             else:
-                tokens = r.all_token_ids + r.spec_token_ids if r.spec_token_ids else r.all_token_ids
-                input_ids[offset:end] = tokens[start:ctx]
+                # drafts follow the request's tokens; only this step's slice is copied, not the whole context
+                input_ids[offset:end] = (r.all_token_ids[start:ctx] + r.spec_token_ids)[:ctx - start]
                 positions[offset:end] = np.arange(start, ctx)
             seq_of_token[offset:end] = i
             num_blocks = -(-ctx // bs)
@@ -173,17 +173,14 @@ class ModelRunner:
             logger.info("KV cache scales from the first step's %d tokens: K %.3g..%.3g, V %.3g..%.3g",
                         input_ids.shape[0], *self.kv_scales[:, 0].aminmax(), *self.kv_scales[:, 1].aminmax())
         out = RunnerOutput({}, {}, {})
-        if verifying:  # one lm_head call for the sampled rows and the verified ones
+        if sampling or verifying:  # one lm_head call for the sampled rows and the verified ones
             rows = logits_rows + verify_rows
             all_logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
+            logits = all_logits[:len(logits_rows)]
+        if verifying:
             for r, tokens in zip(verifying, verify(self.sampler, all_logits[len(logits_rows):], verifying)):
                 out.verified[r.request_id] = tokens
         if sampling:
-            if verifying:
-                logits = all_logits[:len(logits_rows)]
-            else:
-                rows = hidden[logits_rows] if len(logits_rows) < hidden.shape[0] else hidden
-                logits = self.model.compute_logits(rows)
             constrain = None
             if self.structured is not None and self.structured.matchers:
                 ids = [None if r.is_thinking else r.request_id for r in sampling]

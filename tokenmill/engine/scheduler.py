@@ -106,8 +106,9 @@ class Scheduler:
                 self._schedule(out, request, num_new)
                 budget -= num_new
                 i += 1
-        for request in self.running[i:]:  # not reached this step
-            request.spec_token_ids = []
+        if self.speculator is not None:
+            for request in self.running[i:]:  # not reached this step: their drafts are stale by the next one
+                request.spec_token_ids = []
 
         # A step that had to preempt has no room for newcomers.
         not_ready: list[Request] = []

@@ -4,8 +4,9 @@
 Torch-free, like the rest of the config (tokenmill/config.py), so the API server can parse the flag."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from tokenmill.json_flag import parse_json_flag
 
 METHODS = ("ngram", "suffix")
 
@@ -64,16 +65,4 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
         """The flag's JSON text, or (offline LLM) a dict or a SpeculativeConfig."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"--speculative-config is not JSON: {e}") from None
-        known = {f.name for f in fields(cls)}
-        if not isinstance(value, dict) or set(value) - known:
-            unknown = sorted(set(value) - known) if isinstance(value, dict) else value
-            raise ValueError(f"--speculative-config takes a JSON object with the keys {sorted(known)}; "
-                             f"got {unknown!r}")
-        return cls(**value)
+        return parse_json_flag(cls, "--speculative-config", value)
