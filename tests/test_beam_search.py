@@ -153,7 +153,7 @@ async def test_one_message_per_step_and_the_engine_admits_it_whole():
     class Engine:
         added = []
 
-        def add_request(self, rid, *args):
+        def add_request(self, rid, *args, **kwargs):
             self.added.append(rid)
     loop = EngineCoreLoop.__new__(EngineCoreLoop)
     loop.engine, loop.errors = Engine(), []

@@ -1,17 +1,25 @@
 """Speculative decoding (--speculative-config, tokenmill/engine/spec_decode/).
 
-Against the engine without speculation, on copy-heavy prompts so that drafts are really accepted (asserted from
-the counters): greedy token ids are equal with ngram and suffix proposers, under chunked prefill, prefix hits and
-preemption, and seeded sampling gives the same tokens too; a stop token, EOS or max_tokens inside an accepted run
-ends the request at that token; only blocks of real (accepted) tokens enter the prefix cache. The rejection sampler
-alone: chi-square tests that its output is distributed as the target (temperature, top-k, top-p), for a one-hot
-draft and for a draft distribution that differs from the target."""
+Against the engine without speculation, with drafts really accepted (asserted from the counters): greedy token
+ids are equal with ngram and suffix proposers (the default model, copy-heavy prompts) and with a draft model (a
+tiny random target and a draft made from it by perturbing its weights and halving its logits), under chunked
+prefill, prefix hits and preemption, and seeded sampling gives the same tokens too; a stop token, EOS or
+max_tokens inside an accepted run ends the request at that token; only blocks of real (accepted) tokens enter the
+prefix cache. The draft model's KV follows the accepted tokens: every draft equals HF's greedy continuation by the
+draft of the request's tokens at that step. Sampled drafts from the draft model: chi-square tests that every
+emitted position is distributed as the target's (temperature, top-k, top-p), where the same test rejects the
+draft's distribution. The rejection sampler alone: chi-square tests that its output is distributed as the target
+(temperature, top-k, top-p), for a one-hot draft and for a draft distribution that differs from the target."""
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import tokenmill.engine.runner as runner_module
+from conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.block_hash import hash_request_blocks
 from tokenmill.engine.request import Request
@@ -33,7 +41,10 @@ PASSAGES = [
 PROMPTS = [f"Repeat the following text exactly.\n\nText: {p}\n\nRepeated text:" for p in PASSAGES]
 MAX_TOKENS = 40
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
-METHODS = [{"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix"}]
+# draft_model runs on the tiny pair (tiny_models); its "model" is filled in by setup_for
+METHODS = [pytest.param({"method": "ngram", "num_speculative_tokens": 4}, marks=pytest.mark.slow, id="ngram"),
+           pytest.param({"method": "suffix"}, marks=pytest.mark.slow, id="suffix"),
+           pytest.param({"method": "draft_model", "num_speculative_tokens": 4}, id="draft_model")]
 
 _WEIGHTS: dict = {}
 
@@ -65,24 +76,105 @@ def plain(prompt_ids):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_ids, GREEDY, use_tqdm=False)]
 
 
+TINY_VOCAB = 64
+
+
+def tiny_tokenizer(prefix: str = "t"):
+    """A word-level tokenizer of TINY_VOCAB words (prefix0, prefix1, ...): another prefix, another vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"{prefix}{i}": i for i in range(TINY_VOCAB)}, unk_token=f"{prefix}0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=f"{prefix}0", eos_token=f"{prefix}1")
+
+
+def build_tiny(out_dir, like=None, vocab: int = TINY_VOCAB, prefix: str = "t"):
+    """A random 2-layer Llama with its own tokenizer; like: a model whose weights it copies, perturbed by 2% of
+    each tensor's spread, with the final norm halved (logits halved: a flatter distribution, same argmax mostly).
+    Returns the HF model (float32)."""
+    import transformers
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab,
+                                      max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True,
+                                      bos_token_id=None, eos_token_id=None)  # no id is masked in hf_greedy
+    torch.manual_seed(0 if like is None else 1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    if like is not None:
+        with torch.no_grad():
+            for (name, p), ref in zip(model.named_parameters(), like.parameters()):
+                p.copy_(ref + 0.02 * ref.std() * torch.randn_like(ref))
+            model.model.norm.weight.mul_(0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tiny_tokenizer(prefix).save_pretrained(out_dir)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """(target dir, draft dir, HF target, HF draft): greedy agreement ~80%, total variation ~0.38."""
+    target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
+    target = build_tiny(target_dir)
+    draft = build_tiny(draft_dir, like=target)
+    return str(target_dir), str(draft_dir), target, draft
+
+
+def make_tiny_llm(target_dir: str, **kw) -> LLM:
+    return LLM(target_dir, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory="16MiB", **kw)
+
+
+@dataclass
+class Setup:
+    """An engine to test a method on: make(**engine args), its prompts and their plain greedy ids; a KV pool
+    size (blocks of 16) that holds one sequence but not all at once."""
+    make: Callable[..., LLM]
+    prompt_ids: list[list[int]]
+    plain: list[list[int]]
+    preemption_blocks: int
+
+
+@pytest.fixture(scope="module")
+def default_setup(prompt_ids, plain) -> Setup:
+    return Setup(make_llm, prompt_ids, plain, 12)  # ~110 tokens a sequence: 12 blocks hold one, not three
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tiny_models) -> Setup:
+    make = lambda **kw: make_tiny_llm(tiny_models[0], **kw)  # noqa: E731
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, TINY_VOCAB, (n,), generator=generator).tolist() for n in (70, 56, 63)]
+    plain = [o.outputs[0].token_ids for o in make().generate(prompts, GREEDY, use_tqdm=False)]
+    # 9 blocks: the first two prompts fill them, and the first new block either needs preempts the other
+    return Setup(make, prompts, plain, 9)
+
+
+def setup_for(request, config: dict) -> tuple[Setup, dict]:
+    """ngram and suffix on the default model; a draft model on the tiny pair, the draft as its "model"."""
+    if config["method"] != "draft_model":
+        return request.getfixturevalue("default_setup"), config
+    return request.getfixturevalue("tiny_setup"), {**config, "model": request.getfixturevalue("tiny_models")[1]}
+
+
 def spec_stats(llm: LLM) -> dict:
     return {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
 
 
-def assert_accepted(llm: LLM) -> dict:
+def assert_accepted(llm: LLM, per_verification: float = 1.0) -> dict:
+    """Drafts were verified, and more than per_verification of them accepted per verification on average."""
     stats = spec_stats(llm)
-    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > stats["spec_num_drafts"], stats
+    assert stats["spec_num_drafts"] > 0, stats
+    assert stats["spec_num_accepted_tokens"] > per_verification * stats["spec_num_drafts"], stats
     assert sum(stats["spec_accepted_per_pos"]) == stats["spec_num_accepted_tokens"]
     return stats
 
 
 # ---- the engine ----
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", METHODS, ids=lambda c: c["method"])
-def test_greedy_equals_plain_chunked_and_prefix_hits(config, prompt_ids, plain):
+@pytest.mark.parametrize("config", METHODS)
+def test_greedy_equals_plain_chunked_and_prefix_hits(config, request):
+    setup, config = setup_for(request, config)
+    prompt_ids, plain = setup.prompt_ids, setup.plain
     # budget 48: every prompt is prefilled in chunks, and the chunks share steps with verified drafts
-    llm = make_llm(speculative_config=config, max_num_batched_tokens=48)
+    llm = setup.make(speculative_config=config, max_num_batched_tokens=48)
     steps = []
     schedule = llm.engine.scheduler.schedule
 
@@ -120,30 +212,129 @@ def test_greedy_equals_plain_chunked_and_prefix_hits(config, prompt_ids, plain):
         assert o.outputs[0].token_ids == full[24:40]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", METHODS, ids=lambda c: c["method"])
-def test_greedy_equals_plain_under_preemption(config, prompt_ids, plain):
-    # 12 blocks of 16 tokens hold one sequence (~110 tokens) but not three at once
-    llm = make_llm(speculative_config=config, num_gpu_blocks_override=12)
+@pytest.mark.parametrize("config", METHODS)
+def test_greedy_equals_plain_under_preemption(config, request):
+    setup, config = setup_for(request, config)
+    prompt_ids, plain = setup.prompt_ids, setup.plain
+    llm = setup.make(speculative_config=config, num_gpu_blocks_override=setup.preemption_blocks)
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert llm.engine.stats()["num_preemptions"] > 0
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert_accepted(llm)
     pool = llm.engine.kv_cache.pool
-    assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free_blocks == 12
+    assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free_blocks == setup.preemption_blocks
 
 
-@pytest.mark.slow
-def test_seeded_sampling_equals_plain(prompt_ids):
+@pytest.mark.parametrize("config", [METHODS[0], METHODS[2]])
+def test_seeded_sampling_equals_plain(config, request):
     """Verification draws each position as the sampler does, from the request's generator, rewound past the
-    positions that emitted nothing: a seeded request gets the same tokens with and without speculation."""
+    positions that emitted nothing: a seeded request gets the same tokens with and without speculation (a draft
+    model proposes its argmax for seeded requests: a deterministic proposer)."""
+    setup, config = setup_for(request, config)
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=24, ignore_eos=True)
               for t, k, p, s in ((0.3, 20, 1.0, 1), (0.5, 0, 0.9, 2))]
-    want = [o.outputs[0].token_ids for o in make_llm().generate(prompt_ids[:2], params, use_tqdm=False)]
-    llm = make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    got = [o.outputs[0].token_ids for o in llm.generate(prompt_ids[:2], params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in setup.make().generate(setup.prompt_ids[:2], params, use_tqdm=False)]
+    llm = setup.make(speculative_config=config)
+    got = [o.outputs[0].token_ids for o in llm.generate(setup.prompt_ids[:2], params, use_tqdm=False)]
     assert got == want
-    assert_accepted(llm)
+    # the tiny draft's argmax is the target's sample less often at these temperatures
+    assert_accepted(llm, 0.5 if config["method"] == "draft_model" else 1.0)
+
+
+def test_draft_model_kv_follows_the_accepted_tokens(tiny_setup, tiny_models):
+    """The draft's cache is rolled back past rejected drafts, catches up on the tokens it has not seen, and is
+    rebuilt after its blocks were taken back (preemption and eviction): each step's drafts (greedy)
+    are the draft's own greedy continuation of the request's tokens at that step (HF's generate on them)."""
+    _, draft_dir, _, draft = tiny_models
+    config = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 4}
+    llm = tiny_setup.make(speculative_config=config, max_num_batched_tokens=48,
+                          num_gpu_blocks_override=tiny_setup.preemption_blocks)
+    proposer, proposed = llm.engine.speculator.proposer, []
+    propose_batch = proposer.propose_batch
+
+    def recording(wanted):
+        contexts = [list(r.all_token_ids) for r, _ in wanted]
+        propose_batch(wanted)
+        proposed.extend((c, list(r.spec_token_ids)) for c, (r, _) in zip(contexts, wanted))
+
+    proposer.propose_batch = recording
+    outs = llm.generate(tiny_setup.prompt_ids, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == tiny_setup.plain
+    stats = assert_accepted(llm)
+    assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # some were rejected: rollbacks
+    assert llm.engine.stats()["num_preemptions"] > 0
+    checked = [(context, drafts) for context, drafts in proposed if drafts]  # none: the draft cache was full
+    assert len(checked) > len(proposed) // 2
+    for context, drafts in checked:
+        assert drafts == hf_greedy(draft, context, len(drafts))
+    assert not proposer.sequences and proposer.kv_cache.pool.num_free_blocks == tiny_setup.preemption_blocks
+
+
+DRAFT_SAMPLING = {"temperature": SamplingParams(temperature=0.8), "top_k": SamplingParams(top_k=5),
+                  "top_p": SamplingParams(top_p=0.8)}
+N_DRAWS = 1000
+
+
+def processed_probs(model, sequences: torch.Tensor, first: int, params: SamplingParams) -> torch.Tensor:
+    """[N, positions, V]: the model's distribution (HF, float32) for each token from index first on, given the
+    tokens before it, after the request's temperature, top-k and top-p."""
+    with torch.inference_mode():
+        logits = model(sequences).logits[:, first - 1:-1]
+    n, positions, vocab = logits.shape
+    rows = [Request("r", [0], params, None, 4)] * (n * positions)
+    probs = Sampler(vocab, torch.device("cpu")).target_probs(logits.reshape(-1, vocab), rows, [False] * len(rows))
+    return (probs / probs.sum(-1, keepdim=True)).view(n, positions, vocab)
+
+
+def pearson_p(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of tokens [N], each drawn from its own distribution probs[i] (under the hypothesis): Pearson's
+    statistic over the counts against the summed probabilities (cells expecting < 5 merged; conservative, since a
+    sum of independent categorical draws varies at most as a multinomial does)."""
+    from scipy.stats import chisquare
+    expected = probs.double().sum(0)
+    counts = torch.bincount(tokens, minlength=probs.shape[1]).double()
+    if counts[expected == 0].sum() > 0:  # a token the distribution cannot produce
+        return 0.0
+    big, small = expected >= 5, (expected > 0) & (expected < 5)
+    observed, wanted = counts[big], expected[big]
+    if small.any():
+        observed, wanted = torch.cat([observed, counts[small].sum()[None]]), torch.cat([wanted, expected[small].sum()[None]])
+    return float(chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize("name", DRAFT_SAMPLING)
+def test_draft_model_sampling_is_distributed_as_target(name, tiny_models):
+    """N_DRAWS copies of one prompt, 4 tokens each, 2 drafts drawn from the draft's q: every position (the first
+    from the plain sampler, then accepted drafts, residual draws and bonus tokens) is distributed as the target's
+    p given the tokens before it; the same test rejects q, the draft's distribution."""
+    target_dir, draft_dir, target, draft = tiny_models
+    params = SamplingParams(temperature=DRAFT_SAMPLING[name].temperature, top_k=DRAFT_SAMPLING[name].top_k,
+                            top_p=DRAFT_SAMPLING[name].top_p, max_tokens=4, ignore_eos=True)
+    config = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2, "adaptive": False}
+    llm = make_tiny_llm(target_dir, speculative_config=config, max_num_seqs=512, max_num_batched_tokens=4096)
+    prompt = [5, 17, 33, 2, 48, 9, 60, 21]
+    outs = llm.generate([prompt] * N_DRAWS, params, use_tqdm=False)
+    sequences = torch.tensor([prompt + o.outputs[0].token_ids for o in outs])
+    stats = spec_stats(llm)
+    rate = stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"]
+    assert stats["spec_num_drafts"] >= N_DRAWS and 0.2 < rate < 0.9, stats  # both accepted and rejected drafts
+    p = processed_probs(target, sequences, len(prompt), params)
+    q = processed_probs(draft, sequences, len(prompt), params)
+    for i in range(4):
+        tokens = sequences[:, len(prompt) + i]
+        assert pearson_p(tokens, p[:, i]) > 1e-3, i
+        if i:  # the drafted positions follow p, not q
+            assert pearson_p(tokens, q[:, i]) < 1e-6, i
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_models, tmp_path):
+    """vLLM's shape without "method" (a "model" means draft_model); a draft's ids must mean the target's tokens."""
+    build_tiny(tmp_path / "words", prefix="w")  # as many tokens, other words
+    build_tiny(tmp_path / "wider", vocab=TINY_VOCAB + 1)
+    for name, message in (("words", "tokenizer differs"), ("wider", f"vocabulary of {TINY_VOCAB + 1} tokens")):
+        with pytest.raises(ValueError, match=message):
+            make_tiny_llm(tiny_models[0], speculative_config={"model": str(tmp_path / name),
+                                                              "num_speculative_tokens": 2})
 
 
 def run_engine(llm: LLM, prompt: list[int], params: SamplingParams, eos: int | None = None):
@@ -254,7 +445,11 @@ def test_config_parse():
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 4, 4)
     assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 24
-    for bad in ('{"method": "eagle"}', '{"method": "ngram", "nope": 1}', "[1]", "{"):
+    c = SpeculativeConfig.parse('{"model": "/draft", "num_speculative_tokens": 3}')  # vLLM: a model, no method
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/draft", 3)
+    for bad in ('{"method": "eagle"}', '{"method": "ngram", "nope": 1}', "[1]", "{",
+                '{"method": "draft_model", "model": "/draft"}', '{"method": "draft_model", "num_speculative_tokens": 2}',
+                '{"method": "ngram", "model": "/draft"}'):
         with pytest.raises(ValueError):
             SpeculativeConfig.parse(bad)
 
@@ -323,7 +518,7 @@ def test_general_rejection_sampling_is_distributed_as_target(name):
     firsts, seconds = [], []
     for _ in range(N):
         drafts = [int(torch.multinomial(q[j], 1, generator=generator)) for j in range(2)]
-        out = general_rejection_sample(p, q, drafts, generator)
+        out = general_rejection_sample(p, q, drafts, torch.rand(3, dtype=torch.float64, generator=generator))
         firsts.append(out[0])
         if len(out) > 1:
             seconds.append(out[1])

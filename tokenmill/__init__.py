@@ -1,9 +1,10 @@
 """tokenmill: an LLM inference server with a paged KV cache, prefix caching and continuous batching."""
 from tokenmill.beam_search import BeamSearchParams
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name):

@@ -12,6 +12,9 @@ import sys
 SERVE = ("serve", "serve a model behind the OpenAI API", "tokenmill.server.api_server", "run_from_cli")
 ROUTER = ("router", "an OpenAI-compatible gateway over several replicas, routing on their KV caches",
           "tokenmill.router.app", "run_from_cli")
+SERVE_RAY = ("serve-ray", "tokenmill serve replicas on Ray Serve behind the router, autoscaled on their queues "
+             "(needs the ray extra); flags it does not know go to every replica's tokenmill serve",
+             "tokenmill.router.ray_serve", "run_from_cli")
 BENCHES = [
     ("throughput", "offline throughput of the engine", "tokenmill.bench.throughput", "main"),
     ("step", "where one engine step's time goes: ops, sampling, scheduling, front end", "tokenmill.bench.step",
@@ -31,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for name, help_, module, entry in (SERVE, ROUTER):
-        parser_ = sub.add_parser(name, help=help_)
+    for name, help_, module, entry in (SERVE, ROUTER, SERVE_RAY):
+        # serve-ray: unknown flags go to `tokenmill serve` whole, so no abbreviations
+        parser_ = sub.add_parser(name, help=help_, allow_abbrev=name != "serve-ray")
         if argv[:1] == [name]:
             _attach(parser_, module, entry)
 
@@ -43,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:2] == ["bench", name]:
             _attach(parser_, module, entry)
 
-    # Only `bench serve --launch` takes flags it does not know: they are passed to `tokenmill serve`.
+    # Only `bench serve --launch` and `serve-ray` take flags they do not know: they are passed to `tokenmill serve`.
     args, extra = parser.parse_known_args(argv)
-    if args.command == "bench" and args.bench_command == "serve":
+    if args.command == "serve-ray" or args.command == "bench" and args.bench_command == "serve":
         return args.func(args, extra) or 0
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -96,9 +96,16 @@ class EngineConfig(CliConfig):
         "type": SpeculativeConfig.parse,
         "help": "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                 "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or '{\"method\": \"suffix\"}' "
-                "(suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, _min_token_prob); draft "
-                "lengths adapt to each request's acceptance and the batch size unless \"adaptive\": false "
+                "(suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, _min_token_prob) or "
+                "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' (a smaller model "
+                "with the target's tokenizer; optional \"quantization\"); draft lengths adapt to each request's acceptance and the batch size unless \"adaptive\": false "
                 "(tokenmill/engine/spec_decode/)"})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT directories) beside the base model, in the same batches (tokenmill/lora/)"})
+    max_loras: int = field(default=1, metadata={"help": "LoRA adapters one step can compute with (slots)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank served (slots are this wide)"})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "LoRA adapters kept loaded on the CPU, least recently used dropped first (default: --max-loras)"})
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # LLM(...) may pass a dict
@@ -107,6 +114,10 @@ class EngineConfig(CliConfig):
         if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1) or self.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be positive")
         reasoning_spec(self.reasoning_parser, self.think_start_str, self.think_end_str)  # raises if invalid
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be positive")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
 
     @property
     def reasoning(self) -> ReasoningSpec | None:

@@ -25,6 +25,9 @@ ENVIRONMENT_VARIABLES: dict[str, Callable[[], object]] = {
     "TOKENMILL_NO_PROGRESS": lambda: os.environ.get("TOKENMILL_NO_PROGRESS") == "1",
     # seconds between the server's stats log lines (vLLM's 10 s)
     "TOKENMILL_STATS_LOG_INTERVAL_S": lambda: float(os.environ.get("TOKENMILL_STATS_LOG_INTERVAL_S", "10")),
+    # vLLM's: "1" or "true" serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters at run time)
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
+    in ("1", "true"),
     # the C++ compiler for the CPU kernels
     "CXX": lambda: os.environ.get("CXX") or "g++",
     # torch's thread count in the engine process; when set, tokenmill does not choose one

@@ -14,6 +14,7 @@ from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine import EngineCore
 from tokenmill.engine.messages import EngineCoreOutput
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.pooling_outputs import (EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput,
                                        cosine_similarity)
@@ -30,22 +31,25 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists. lora_request:
+        the adapter of every prompt, or one per prompt (None: the base model); needs enable_lora=True."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         tracked = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             text = prompt if isinstance(prompt, str) else None
             ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
-            tracked.append(self._add(text, ids, params, priority[i] if priority else 0))
+            tracked.append(self._add(text, ids, params, priority[i] if priority else 0, loras[i]))
         return self._run(tracked, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {role, content}) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(
@@ -54,10 +58,11 @@ class LLM:
             for conv in conversations]
         params = sampling_params or SamplingParams()
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        tracked = [self._add(p, i, params, 0) for p, i in zip(prompts, ids)]
+        tracked = [self._add(p, i, params, 0, lora_request) for p, i in zip(prompts, ids)]
         return self._run(tracked, use_tqdm)
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search (tokenmill/beam_search.py): the beam_width best sequences of each prompt, best
         first; a sequence's tokens and text hold the prompt too, as vLLM's do. prompts: strings, token-id lists, or
         vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts. Each step runs the live beams of every prompt as
@@ -78,7 +83,7 @@ class LLM:
         while not all(s.done for s in searches):
             rids = [str(next(self._ids)) for _ in live_beams(searches)]
             for rid, tokens in zip(rids, live_beams(searches)):
-                self.engine.add_request(rid, tokens, step_params, eos)
+                self.engine.add_request(rid, tokens, step_params, eos, lora_request=lora_request)
             results = {}
             while len(results) < len(rids):
                 for o in self.engine.step():
@@ -123,7 +128,7 @@ class LLM:
                                      ScoringOutput(cosine_similarity(q.outputs.embedding, d.outputs.embedding)))
                 for d in embeds[1:]]
 
-    def _add(self, text, ids, params: SamplingParams, priority: int):
+    def _add(self, text, ids, params: SamplingParams, priority: int, lora_request: LoRARequest | None = None):
         rid = str(next(self._ids))
         if params.structured_outputs is not None:
             # Invalid schemas fail here, with the compiler's message; the engine then finds it compiled.
@@ -133,7 +138,8 @@ class LLM:
         for i in range(params.n):
             cp = child_params(params, i)
             child_id = f"{rid}-{i}" if params.n > 1 else rid
-            self.engine.add_request(child_id, ids, cp, self.tokenizer.eos_token_id, priority)
+            self.engine.add_request(child_id, ids, cp, self.tokenizer.eos_token_id, priority,
+                                    lora_request=lora_request)
             children[child_id] = (i, cp, IncrementalDetokenizer(self.tokenizer, cp, ids))
         return out, children
 

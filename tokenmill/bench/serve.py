@@ -34,6 +34,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=envs.OPENAI_API_KEY,
                         help="bearer token (default: $OPENAI_API_KEY)")
     parser.add_argument("--model", default=None, help="model id to request (default: the endpoint's first)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="LoRA adapter names the server serves: each request asks for one of them, drawn at "
+                             "random (vLLM's bench option), instead of --model")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer used to make prompt lengths exact (default: the default model's)")
     parser.add_argument("--dataset", choices=datasets.DATASETS, default="random")
@@ -136,13 +139,15 @@ class Endpoint:
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.args = args
         self.model = model
+        self.rng = random.Random(args.seed)  # which adapter each request asks for, with --lora-modules
 
     def client(self, connections: int, timeout: float) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         return httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(self.args.api_key))
 
     def body(self, prompt: str, output_len: int) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": output_len, "stream": True,
+        model = self.rng.choice(self.args.lora_modules) if self.args.lora_modules else self.model
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": self.args.temperature}
         if self.args.ignore_eos:
             body["ignore_eos"] = True
@@ -278,6 +283,8 @@ def dataset_info(args) -> dict:
             "temperature": args.temperature}
     if args.extra_body:
         info["extra_body"] = args.extra_body
+    if args.lora_modules:
+        info["lora_modules"] = args.lora_modules
     if args.dataset == "prefix":
         info.update(prefix_groups=args.prefix_groups, prefix_len=args.prefix_len)
     elif args.dataset == "multiturn":

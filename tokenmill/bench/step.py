@@ -33,7 +33,7 @@ from tokenmill.sampling_params import SamplingParams
 WARMUP_STEPS = 2
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 LINEAR = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm",
-          "tokenmill::small_m_linear", "tokenmill::quant_linear"}
+          "tokenmill::small_m_linear", "tokenmill::quant_linear", "tokenmill::lora_delta"}
 ATTENTION = {"aten::scaled_dot_product_attention", "aten::index_select", "aten::index_copy_",
              "tokenmill::paged_attention", "tokenmill::rope_and_cache"}
 VIEWS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::split",

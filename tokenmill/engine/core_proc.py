@@ -23,12 +23,15 @@ from tokenmill.engine.host_memory import release_freed_memory
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher, make_publisher
 from tokenmill.engine.messages import (
     AbortRequests,
+    AddLoRA,
     AddRequest,
     AddRequests,
     EngineCoreOutputs,
     EngineInput,
     EngineReady,
     EngineStartupFailed,
+    LoRAReply,
+    RemoveLoRA,
     RequestError,
     StatsQuery,
     StatsReply,
@@ -76,7 +79,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.send(encoder.encode(EngineReady(
         engine.max_model_len, engine.runner.vocab_size, config.max_logprobs, config.scheduling_policy,
         engine.kv_cache.num_blocks, engine.kv_cache.block_size, config.enable_prefix_caching, engine.runner_type,
-        engine.matryoshka, config.kv_cache_dtype)))
+        engine.matryoshka, config.kv_cache_dtype, max_loras=config.max_loras if engine.lora is not None else 0)))
     EngineCoreLoop(engine, inputs, outputs, parent_pid, publisher).run()
 
 
@@ -107,6 +110,7 @@ class EngineCoreLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.errors: list[RequestError] = []
         self.stats_queries: list[int] = []
+        self.lora_replies: list[LoRAReply] = []
         self.aborted = False  # since the last message: the state changed without a step
 
     def run(self) -> None:
@@ -120,16 +124,16 @@ class EngineCoreLoop:
                 events = self.engine.kv_cache.take_events()
                 if events:
                     self.kv_event_publisher.publish(events)
-            if stepped or self.errors or self.stats_queries or self.aborted:
+            if stepped or self.errors or self.stats_queries or self.aborted or self.lora_replies:
                 stats = [StatsReply(q, self.engine.scheduler_stats()) for q in self.stats_queries]
                 # Every change of state is reported (an abort frees blocks with no step after it), so the server's
                 # copy is always current and /metrics never has to wait for a step to end.
                 sched_stats = None
                 if stepped or self.aborted:
                     sched_stats = self.engine.scheduler_stats(self.engine.last_step_tokens if stepped else 0)
-                msg = EngineCoreOutputs(outputs, self.errors, stats, time.monotonic(), sched_stats)
+                msg = EngineCoreOutputs(outputs, self.errors, stats, time.monotonic(), sched_stats, self.lora_replies)
                 self.outputs.send(self.encoder.encode(msg), copy=False)
-                self.errors, self.stats_queries, self.aborted = [], [], False
+                self.errors, self.stats_queries, self.aborted, self.lora_replies = [], [], False, []
 
     def _wait_for_input(self) -> None:
         if not self.inputs.poll(0):
@@ -155,7 +159,7 @@ class EngineCoreLoop:
                                                     msg.arrival_time)
                 else:
                     self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.eos_token_id,
-                                            msg.priority, msg.arrival_time)
+                                            msg.priority, msg.arrival_time, lora_request=msg.lora_request)
             except ParamError as e:
                 self.errors.append(RequestError(msg.request_id, str(e), e.param))
             except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
@@ -170,3 +174,18 @@ class EngineCoreLoop:
             self.aborted = True
         elif isinstance(msg, StatsQuery):
             self.stats_queries.append(msg.query_id)
+        elif isinstance(msg, (AddLoRA, RemoveLoRA)):
+            self.lora_replies.append(self._lora_reply(msg))
+
+    def _lora_reply(self, msg: AddLoRA | RemoveLoRA) -> LoRAReply:
+        try:
+            if isinstance(msg, AddLoRA):
+                self.engine.add_lora(msg.lora_request)
+            elif not self.engine.remove_lora(msg.lora_int_id):
+                return LoRAReply(msg.query_id, f"LoRA adapter id {msg.lora_int_id} is not loaded", not_found=True)
+        except ValueError as e:  # lora.adapter.LoRAError (not imported: the API server imports this module), ParamError
+            return LoRAReply(msg.query_id, str(e), getattr(e, "not_found", False))
+        except Exception as e:  # noqa: BLE001 - one bad adapter must not take the engine down
+            logger.exception("loading a LoRA adapter failed")
+            return LoRAReply(msg.query_id, f"{type(e).__name__}: {e}")
+        return LoRAReply(msg.query_id)

@@ -16,15 +16,18 @@ from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats, validate
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.spec_decode.draft_model import DraftModelProposer
 from tokenmill.engine.spec_decode.speculator import Speculator
 from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.lora.adapter import LoRAError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.models.loader import load_model_config
 from tokenmill.models.paths import resolve_model_path
 from tokenmill.models.pooler import PoolerConfig
 from tokenmill.pooling_params import (ENCODER_ARCHITECTURES, PoolingParams, check_generate_runner, resolve_runner,
                                       validate_pooling_request)
 from tokenmill.reasoning import ThinkingTracker
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
@@ -44,6 +47,8 @@ class EngineCore:
         model_len = getattr(self.model_info.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = config.max_model_len or model_len
         self.runner_type = resolve_runner(config.runner, self.model_info.architecture)
+        if config.enable_lora and self.runner_type != "generate":
+            raise ValueError("--enable-lora serves adapters for generation; this model runs --runner pooling")
         encoder, self.pooler = self.model_info.architecture in ENCODER_ARCHITECTURES, None
         prefix_caching = config.enable_prefix_caching and not encoder  # an encoder keeps no KV
         if self.runner_type == "pooling":
@@ -63,6 +68,7 @@ class EngineCore:
             budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, budget,
                                    self.max_model_len, config.scheduling_policy)
+        self.lora = self.scheduler.lora = getattr(self.runner, "lora", None)  # a LoRAManager with --enable-lora
         self.num_steps = 0
         self.last_step_tokens = 0
         path, tokenizer = self.model_info.path, config.tokenizer
@@ -76,7 +82,10 @@ class EngineCore:
         self.scheduler.is_ready = lambda request: self.structured.ready(request.request_id)
         self.speculator = None
         if config.speculative_config is not None and self.runner_type == "generate":
-            self.speculator = self.scheduler.speculator = Speculator(config.speculative_config)
+            proposer = None
+            if config.speculative_config.method == "draft_model":
+                proposer = DraftModelProposer(config, self.runner, self.max_model_len, get_tokenizer())
+            self.speculator = self.scheduler.speculator = Speculator(config.speculative_config, proposer)
 
     @property
     def matryoshka(self) -> bool:
@@ -92,10 +101,17 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None = None, priority: int = 0, arrival_time: float | None = None,
-                    extra_keys: tuple = ()) -> Request:
+                    extra_keys: tuple = (), lora_request: LoRARequest | None = None) -> Request:
         max_tokens = self.check_request(prompt_token_ids, params, priority)
+        if lora_request is not None:  # its adapter is loaded now (a bad one fails here) and kept until it ends
+            try:
+                self._lora_manager().acquire(lora_request)
+            except LoRAError as e:
+                raise ParamError(str(e), "model") from None
+            extra_keys = extra_keys + lora_request.extra_keys
         request = Request(request_id, prompt_token_ids, params, eos_token_id, max_tokens, priority,
                           extra_keys, arrival_time)
+        request.lora_request = lora_request
         request.eos_token_ids |= self.model_info.eos_token_ids
         if self.reasoning is not None and (params.thinking_token_budget is not None
                                            or params.structured_outputs is not None):
@@ -105,6 +121,19 @@ class EngineCore:
             self.structured.add(request_id, params.structured_outputs)
         self.scheduler.add_request(request)
         return request
+
+    def _lora_manager(self):
+        if self.lora is None:
+            raise ParamError("this engine serves no LoRA adapters: start it with --enable-lora", "model")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads an adapter into the CPU cache ahead of its requests (vLLM's add_lora); raises LoRAError."""
+        self._lora_manager().load(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads an adapter once the requests that use it have finished; False if it was not loaded."""
+        return self._lora_manager().remove(lora_int_id)
 
     def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
                             priority: int = 0, arrival_time: float | None = None) -> Request:
@@ -169,7 +198,7 @@ class EngineCore:
         """A request verified with drafts (spec_decode/): emitted holds its accepted drafts and the token after
         them. They are appended one by one, so the request ends at the first stop token, EOS or length limit
         among them, and no token after that one is output."""
-        drafts, r.spec_token_ids = r.spec_token_ids, []
+        drafts, r.spec_token_ids, r.spec_draft_probs = r.spec_token_ids, [], None
         self.speculator.record(r, len(drafts), len(emitted) - 1)
         start = r.num_computed_tokens
         tokens, status = [], None
@@ -211,6 +240,12 @@ class EngineCore:
         stats = SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.prefix_cache_queries,
                                kv.prefix_cache_hits, s.num_preemptions, step_tokens, self.num_steps,
                                self.structured.mask_time_s, self.structured.num_compiling)
+        if self.lora is not None:  # vLLM's LoRA stats: requests per adapter name, running and waiting
+            for requests, counts in ((s.running, stats.running_lora_adapters),
+                                     (s.waiting, stats.waiting_lora_adapters)):
+                for r in requests:
+                    if r.lora_request is not None:
+                        counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
         if spec is not None:
             stats.spec_num_drafts, stats.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens

@@ -173,12 +173,13 @@ class KVCacheManager:
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        bs, hashes = self.block_size, request.block_hashes
+        bs, hashes, lora = self.block_size, request.block_hashes, request.lora_request
+        lora_id, lora_name = (lora.lora_int_id, lora.lora_name) if lora is not None else (None, None)
         for run in runs:
             first, last = run[0], run[-1] + 1
             self.pool.events.append(BlockStored(
                 hashes[first:last], hashes[first - 1] if first else None,
-                request.all_token_ids[first * bs:last * bs], bs, None, MEDIUM_GPU, None,
+                request.all_token_ids[first * bs:last * bs], bs, lora_id, MEDIUM_GPU, lora_name,
                 [list(request.extra_keys)] * len(run) if request.extra_keys else None))
 
     def enable_events(self) -> None:

@@ -1,7 +1,7 @@
 """The messages that cross the engine process boundary, and the request checks both sides apply.
 
 Two ZMQ PUSH/PULL sockets over ipc:// carry msgpack (msgspec, the typed Structs below):
-  API server → engine: AddRequest | AddRequests | AbortRequests | StatsQuery
+  API server → engine: AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA
   engine → API server: EngineReady | EngineStartupFailed (once), then EngineCoreOutputs (one per step)
 
 This module imports no torch (nor anything that does): the API server process, the router and the benchmarks
@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import ParamError, SamplingParams
 
@@ -36,6 +37,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     priority: int
     arrival_time: float  # time.monotonic(): one clock for all processes of a machine
     pooling: PoolingParams | None = None  # set: embed the prompt (params is then unused), no generation
+    lora_request: LoRARequest | None = None  # the adapter it runs with (tokenmill/lora/); None: the base model
 
 
 class AddRequests(msgspec.Struct, tag="add_many", array_like=True):
@@ -52,7 +54,19 @@ class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
     query_id: int
 
 
-EngineInput = AddRequest | AddRequests | AbortRequests | StatsQuery
+class AddLoRA(msgspec.Struct, tag="add_lora", array_like=True):
+    """Load an adapter into the engine's CPU cache now (the API's load_lora_adapter); answered by a LoRAReply."""
+    query_id: int
+    lora_request: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag="remove_lora", array_like=True):
+    """Unload an adapter once its requests have finished (unload_lora_adapter); answered by a LoRAReply."""
+    query_id: int
+    lora_int_id: int
+
+
+EngineInput = AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA
 
 
 # ---- engine → API server ----
@@ -90,6 +104,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # LoRA (vLLM's names): adapter name → its requests running / waiting
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -103,6 +120,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     runner: str = "generate"  # or "pooling": which endpoints the server may take (the other kind is a 400)
     matryoshka: bool = False  # whether a pooling request may ask for fewer `dimensions`
     cache_dtype: str = "auto"  # --kv-cache-dtype, for vllm:cache_config_info
+    max_loras: int = 0  # --max-loras with --enable-lora; 0: the engine serves no adapters
 
 
 class EngineStartupFailed(msgspec.Struct, tag="failed", array_like=True):
@@ -121,12 +139,20 @@ class StatsReply(msgspec.Struct, array_like=True):
     stats: SchedulerStats
 
 
+class LoRAReply(msgspec.Struct, array_like=True):
+    """AddLoRA or RemoveLoRA done (error None), or why not; not_found: no adapter at the path (vLLM's 404)."""
+    query_id: int
+    error: str | None = None
+    not_found: bool = False
+
+
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     errors: list[RequestError] = []
     stats: list[StatsReply] = []
     timestamp: float = 0.0  # time.monotonic() when the step ended: the time of every token in `outputs`
     scheduler_stats: SchedulerStats | None = None  # after a step; None when no step ran
+    lora_replies: list[LoRAReply] = []
 
 
 EngineMessage = EngineReady | EngineStartupFailed | EngineCoreOutputs

@@ -58,9 +58,12 @@ class Request:
         self.prompt_logprobs: list[dict | None] = []
         self.thinking = None  # a ThinkingTracker, for reasoning requests with a thinking budget or a grammar
         self.pooling = None  # PoolingParams: embedded in one step, never decoded
-        # Speculative decoding: the drafts scheduled after the last token this step (spec_decode/), and a seeded
-        # request's generator state before verification drew its uniforms.
+        self.lora_request = None  # a LoRARequest: the adapter it runs with (tokenmill/lora/); None: the base model
+        # Speculative decoding: the drafts scheduled after the last token this step (spec_decode/), the
+        # distributions they were drawn from when a draft model sampled them ([k, V]; None: deterministic
+        # drafts), and a seeded request's generator state before verification drew its uniforms.
         self.spec_token_ids: list[int] = []
+        self.spec_draft_probs = None
         self.spec_generator_state = None
 
     @property

@@ -15,6 +15,7 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler, logprob_entries
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.engine.spec_decode.rejection_sampler import verify
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, get_attention_backend
 from tokenmill.models.kv_quant import kv_storage_dtype, needs_calibration
 from tokenmill.models.loader import ModelInfo, load_model, resolve_dtype
@@ -63,6 +64,7 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, self.device, config.seed, kernels)
         self.structured = None  # the engine's StructuredOutputManager
         self.pooler = None  # a PoolerConfig when a decoder runs with --runner pooling (set by the engine)
+        self.lora = LoRAManager(self.model, config, self.dtype, self.device, kernels) if config.enable_lora else None
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.num_blocks = self._num_blocks(max_model_len)
         layers, kv_heads = len(self.model.layers), self.model.num_kv_heads
@@ -167,6 +169,8 @@ class ModelRunner:
             flat_start += n
 
         input_ids, meta = self._metadata(order, query_lens, block_tables)
+        if self.lora is not None:  # which slot each token's adapter is in; none: the model's base path
+            self.lora.prepare(order, query_lens)
         hidden = self.model(input_ids, self.kv_caches, meta, self.backend)
         if self.backend.calibrating:  # that was the first forward pass: the KV scales are set for good
             self.backend.calibrating = False

@@ -46,6 +46,9 @@ class WaitingQueue:
         else:
             heapq.heappush(self._heap, (*request.sort_key(), next(self._counter), request))
 
+    def __iter__(self):
+        return iter(self._fifo) if self.policy == "fcfs" else (entry[-1] for entry in self._heap)
+
     def peek(self) -> Request:
         return self._fifo[0] if self.policy == "fcfs" else self._heap[0][-1]
 
@@ -74,6 +77,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.is_ready: Callable[[Request], bool] = lambda request: True  # e.g. False while its grammar compiles
         self.speculator = None  # a spec_decode.Speculator with --speculative-config
+        # the runner's LoRAManager with --enable-lora: at most max_loras adapters among running requests, and a
+        # finished request releases its adapter
+        self.lora = None
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -112,9 +118,11 @@ class Scheduler:
 
         # A step that had to preempt has no room for newcomers.
         not_ready: list[Request] = []
+        loras = self.running_loras() if self.lora is not None else None
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if not self.is_ready(request):  # stepped over, keeping its place in the queue
+            # stepped over, keeping its place in the queue: its grammar compiles, or its adapter has no slot
+            if not self.is_ready(request) or (loras is not None and not self._lora_fits(request, loras)):
                 not_ready.append(self.waiting.pop())
                 continue
             hits, num_hit = [], 0
@@ -133,11 +141,21 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if loras is not None and request.lora_request is not None:
+                loras.add(request.lora_request.lora_int_id)
             self._schedule(out, request, num_new)
             budget -= num_new
         for request in reversed(not_ready):
             self.waiting.add(request, front=True)
         return out
+
+    def running_loras(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """vLLM's rule: a request whose adapter is not among the running ones waits while max_loras are."""
+        lora = request.lora_request
+        return lora is None or lora.lora_int_id in loras or len(loras) < self.lora.max_loras
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.requests.append(request)
@@ -175,6 +193,8 @@ class Scheduler:
         self.kv_cache.free(request)
         if self.speculator is not None:
             self.speculator.finish(request)
+        if self.lora is not None and request.lora_request is not None:
+            self.lora.release(request.lora_request)
         self.requests.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:

@@ -70,6 +70,7 @@ class Linear(nn.Linear):
     ops = None
     quant = None  # a QuantizedWeight replacing weight, when the weight is kept quantized
     quant_ops = None  # the CPU kernels that serve it
+    lora = None  # a LoRALinear (tokenmill/lora/layers.py) with --enable-lora: adds each token's adapter delta
 
     def set_quantized(self, weight, ops) -> None:
         self.quant, self.quant_ops, self.weight = weight, ops, None
@@ -90,6 +91,10 @@ class Linear(nn.Linear):
         self.small_m = None if self.quant is not None else pack_small_m(ops, self.weight, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_forward(x)
+        return out if self.lora is None else self.lora.add_delta(x, out)
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return quant_linear(self.quant_ops, x, self.quant, self.bias)
         if self.small_m is not None and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX_ROWS:

@@ -150,6 +150,7 @@ class LlamaForCausalLM(nn.Module):
         self.tied_lm_head_packed = None
         self.kernel_ops, self.tied_lm_head_small_m = None, None  # set by use_cpu_kernels
         self.fused_ops, self.fused_weights = None, None
+        self.lora = None  # the LoRABatch with --enable-lora (tokenmill/lora/): this step's adapters, if any
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
@@ -198,12 +199,13 @@ class LlamaForCausalLM(nn.Module):
         # calibrates the KV scales (kv_quant.py), which happens layer by layer
         if self.fused_ops is not None and not backend.calibrating:
             attn = self.layers[0].self_attn
+            lora = self.lora.fused_args() if self.lora is not None and self.lora.active else ([], [], None)
             return self.fused_ops.llama_forward(
                 self.embed_tokens(input_ids), self.fused_weights, self.norm.weight, [c[0] for c in kv_caches],
                 [c[1] for c in kv_caches], meta.positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, meta.query_start_loc, attn.num_heads, attn.head_dim,
                 self.layers[0].mlp.intermediate, self.norm.eps, attn.scale, SMALL_M_MAX_ROWS,
-                [c[2] for c in kv_caches])
+                [c[2] for c in kv_caches], *lora)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, kv_cache, meta, backend)

@@ -13,11 +13,10 @@ import logging
 
 import httpx
 import uvicorn
-import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from tokenmill.router.kv_index import KVEventSubscriber, KVIndex
+from tokenmill.router.kv_index import KVEventFeeds, KVIndex
 from tokenmill.router.metrics import CONTENT_TYPE, RouterMetrics
 from tokenmill.router.policy import make_policy
 from tokenmill.router.prompt_tokens import PromptTokenizer
@@ -43,6 +42,34 @@ def build_state(config: RouterConfig, tokenizer) -> RouterState:
                        AdmissionQueue(config.max_concurrent_requests, config.max_queued_requests,
                                       config.queue_timeout),
                        make_router_tracer(config.otlp_traces_endpoint))
+
+
+def join(state: RouterState, url: str, kv_events_endpoint: str | None, replay_endpoint: str | None) -> Replica:
+    """A replica that joins the running router (a Ray Serve replica that started, tokenmill/router/ray_serve.py):
+    its KV events are subscribed to; it is routed to once a health check passes (the caller may run one now)."""
+    replica = Replica(url, KVIndex(url, state.config.block_size))
+    state.replicas.replicas.append(replica)
+    if kv_events_endpoint is not None:
+        state.feeds.start(replica.index, kv_events_endpoint, replay_endpoint)
+    return replica
+
+
+def leave(state: RouterState, replica: Replica) -> None:
+    """A replica that left (scaled down, or gone): no new requests go to it; those in flight finish there."""
+    state.replicas.replicas.remove(replica)
+    state.feeds.stop(replica.name)
+    state.metrics.forget(replica.name)
+
+
+def load_router_tokenizer(config: RouterConfig):
+    """The replicas' tokenizer and chat template (no weights): the router's token ids are theirs."""
+    from tokenmill.models.paths import resolve_model_path
+    from tokenmill.server.chat_utils import load_chat_template
+    from tokenmill.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
+    if config.chat_template is not None:
+        tokenizer.chat_template = load_chat_template(config.chat_template)
+    return tokenizer
 
 
 class DrainGate:
@@ -72,15 +99,13 @@ def build_app(state: RouterState, lifecycle: Lifecycle | None = None):
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        ctx = zmq.asyncio.Context()
-        tasks = []
+        state.feeds = KVEventFeeds()
         for i, replica in enumerate(state.replicas.replicas):
             if config.kv_events_endpoint:
                 replay = config.kv_events_replay_endpoint[i] if config.kv_events_replay_endpoint else None
-                subscriber = KVEventSubscriber(replica.index, config.kv_events_endpoint[i], replay, ctx)
-                tasks.append(asyncio.create_task(subscriber.run()))
+                state.feeds.start(replica.index, config.kv_events_endpoint[i], replay)
         await state.replicas.check_all()
-        tasks.append(asyncio.create_task(state.replicas.poll_forever()))
+        poller = asyncio.create_task(state.replicas.poll_forever())
         admitted = sum(r.healthy for r in state.replicas.replicas)
         logger.info("routing to %d replicas (%d admitted now) with --policy %s", len(state.replicas.replicas),
                     admitted, config.policy)
@@ -88,11 +113,10 @@ def build_app(state: RouterState, lifecycle: Lifecycle | None = None):
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+            await state.feeds.close()
             await state.client.aclose()
-            ctx.destroy(linger=0)
             if state.tracer is not None:
                 state.tracer.shutdown()
 
@@ -139,15 +163,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_cli(args: argparse.Namespace) -> int:
-    from tokenmill.models.paths import resolve_model_path
-    from tokenmill.server.chat_utils import load_chat_template
     from tokenmill.server.logs import configure_logging
-    from tokenmill.tokenizer import load_tokenizer
     try:
         config = RouterConfig.from_cli_args(args)
-        tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
-        if config.chat_template is not None:
-            tokenizer.chat_template = load_chat_template(config.chat_template)
+        if not config.backend:
+            raise ValueError("give at least one --backend URL")
+        tokenizer = load_router_tokenizer(config)
         configure_logging()
         state = build_state(config, tokenizer)
     except (ValueError, OSError) as e:

@@ -170,3 +170,29 @@ class KVEventSubscriber:
         finally:
             sock.close(linger=0)
         return applied
+
+
+class KVEventFeeds:
+    """The running KVEventSubscriber of each replica, on one zmq context: started for the replicas the router
+    starts with, and for each replica that joins later (tokenmill/router/ray_serve.py); cancelled when its replica
+    leaves or the router stops."""
+
+    def __init__(self):
+        self.ctx = zmq.asyncio.Context()
+        self._tasks: dict[str, asyncio.Task] = {}  # by replica name
+
+    def start(self, index: KVIndex, endpoint: str, replay_endpoint: str | None) -> None:
+        subscriber = KVEventSubscriber(index, endpoint, replay_endpoint, self.ctx)
+        self._tasks[index.name] = asyncio.create_task(subscriber.run())
+
+    def stop(self, name: str) -> None:
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks, self._tasks = list(self._tasks.values()), {}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.ctx.destroy(linger=0)

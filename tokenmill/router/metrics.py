@@ -69,6 +69,14 @@ class RouterMetrics:
         self._num_finished += 1
         self.finished.inc()
 
+    def forget(self, replica_name: str) -> None:
+        """A replica that left: its gauges go (its counters stay, they are history)."""
+        for gauge in (self.in_flight, self.load, self.healthy, self.index_blocks, self.event_gaps):
+            try:
+                gauge.remove(replica_name)
+            except KeyError:
+                pass
+
     def render(self, replicas, admission=None) -> bytes:
         cpu = time.process_time() - self._cpu_start
         self.cpu.set(cpu)

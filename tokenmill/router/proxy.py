@@ -25,7 +25,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tokenmill.router.kv_index import prompt_block_hashes
+from tokenmill.router.kv_index import KVEventFeeds, prompt_block_hashes
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Policy, RouteRequest
 from tokenmill.router.prompt_tokens import PromptTokenizer
@@ -57,6 +57,7 @@ class RouterState:
     tenants: TenantRegistry | None = None
     admission: AdmissionQueue = field(default_factory=lambda: AdmissionQueue(0, 0, 1.0))
     tracer: RouterTracer | None = None
+    feeds: KVEventFeeds | None = None  # the replicas' KV-event subscribers, while the app runs (its lifespan)
 
 
 def _route_request(state: RouterState, route: str, body: dict | None, session_header: str | None) -> RouteRequest:

@@ -67,8 +67,7 @@ class RouterConfig(CliConfig):
         "choices": ["critical", "error", "warning", "info", "debug", "trace"], "help": "uvicorn's log level"})
 
     def __post_init__(self):
-        if not self.backend:
-            raise ValueError("give at least one --backend URL")
+        # no --backend is a CLI error (tokenmill/router/app.py); under Ray Serve the replicas join as they start
         self.backend = [url.rstrip("/") for url in self.backend]
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             values = getattr(self, name)

@@ -40,12 +40,12 @@ from tokenmill.server.middleware import (
 from tokenmill.server.openapi import install_openapi
 from tokenmill.server.orca import REQUEST_HEADER as ORCA_FORMAT_HEADER
 from tokenmill.server.orca import load_report
-from tokenmill.server.responses import json_response
 from tokenmill.server.server_config import ServerConfig
 from tokenmill.server.server_state import ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_completion import OpenAIServingCompletion
 from tokenmill.server.serving_embedding import add_embedding_routes
+from tokenmill.server.serving_models import OpenAIServingModels, add_model_routes
 from tokenmill.server.serving_responses import add_responses_routes
 from tokenmill.server.serving_score import add_score_routes
 from tokenmill.server.serving_tokenization import OpenAIServingTokenization
@@ -116,11 +116,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             state.metrics.record_step(await state.client.stats())
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def list_models():
-        created = int(time.time())
-        cards = [p.ModelCard(name, created, state.model_root, state.engine.max_model_len) for name in state.model_names]
-        return json_response(p.ModelList(cards))
+    # /v1/models, and the LoRA adapters (loaded at start-up by serve(): --lora-modules)
+    app.state.models = OpenAIServingModels(state)
+    add_model_routes(app, app.state.models, envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 
     @app.post("/v1/completions")
     async def create_completion(body: p.CompletionRequest, raw: Request):
@@ -184,6 +182,8 @@ def run_from_cli(args: argparse.Namespace) -> int:
         engine_config = EngineConfig.from_cli_args(args)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if server_config.lora_modules and not engine_config.enable_lora:
+        raise SystemExit("error: --lora-modules needs --enable-lora")
     configure_logging(server_config.log_format)
     try:
         import uvloop
@@ -267,7 +267,13 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
                             make_tracer(config.otlp_traces_endpoint, config.otlp_traces_include_text))
         client.on_dead = lifecycle.engine_died
         lifecycle.fail_pending = client.fail_pending
-        root.inner = build_app(state)
+        app = build_app(state)
+        try:
+            await app.state.models.load_static(config.lora_modules or [])
+        except Exception as e:  # noqa: BLE001 - an adapter that cannot be served ends the start-up, as in vLLM
+            logger.error("--lora-modules: %s", e)
+            return 1
+        root.inner = app
         if lifecycle.phase == "loading":
             lifecycle.phase = "ready"
         if not config.disable_log_stats:

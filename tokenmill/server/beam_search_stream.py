@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.beam_search import BeamSearch, BeamSearchParams, advance_all, live_beams
 from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 class BeamSearchStream:
     def __init__(self, client: EngineClient, request_id: str, prompts: list[list[int]],
                  params: list[BeamSearchParams], tokenizer, priority: int = 0, num_logprobs: int | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, lora_request: LoRARequest | None = None):
         """params: each prompt's (their max_tokens may differ); num_logprobs: the top logprobs the client asked for
         per token (None: no logprobs)."""
         self.client = client
@@ -32,6 +33,7 @@ class BeamSearchStream:
         self.tokenizer = tokenizer
         self.priority = priority
         self.skip_special_tokens = skip_special_tokens
+        self.lora_request = lora_request  # every step's requests run with this adapter
         self.searches = [BeamSearch(ids, bp, tokenizer.eos_token_id) for ids, bp in zip(prompts, params)]
         width = params[0].beam_width
         # What the endpoints read of a stream's params: n (choices per prompt) and whether logprobs are rendered.
@@ -66,7 +68,7 @@ class BeamSearchStream:
             prompts = live_beams(self.searches)
             results: list[TokenLogprobs | None] = [None] * len(prompts)
             step = self._step = self.client.generate(f"{self.request_id}-step{num_steps}", prompts, self.step_params,
-                                                     self.tokenizer, self.priority)
+                                                     self.tokenizer, self.priority, self.lora_request)
             with step:
                 async for deltas in step:
                     for d in deltas:

@@ -21,11 +21,14 @@ import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import run_engine_core
-from tokenmill.engine.messages import (AbortRequests, AddRequest, AddRequests, EngineCoreOutputs, EngineMessage,
-                                       EngineReady, EngineStartupFailed, SchedulerStats, StatsQuery)
+from tokenmill.engine.messages import (AbortRequests, AddLoRA, AddRequest, AddRequests, EngineCoreOutputs,
+                                       EngineMessage, EngineReady, EngineStartupFailed, LoRAReply, RemoveLoRA,
+                                       SchedulerStats, StatsQuery)
+from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.errors import EngineDeadError, StreamStalled
+from tokenmill.sampling_params import ParamError
+from tokenmill.server.errors import EngineDeadError, LoRANotFound, StreamStalled
 from tokenmill.server.generation_stream import GenerationStream
 from tokenmill.server.metrics import ServerMetrics
 
@@ -54,7 +57,7 @@ class EngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._queues: dict[str, asyncio.Queue] = {}  # engine request id → its stream's queue
-        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}  # query id → its StatsReply's (or LoRAReply's) future
         self._query_ids = itertools.count()
         self.metrics: ServerMetrics | None = None  # set by the server once the engine is ready
         self.on_dead = lambda reason: None  # called once, after the pending requests have been failed
@@ -203,10 +206,10 @@ class EngineClient:
                 queue = self._queues.pop(err.request_id, None)
                 if queue is not None:
                     queue.put_nowait(err)
-            for reply in msg.stats:
+            for reply in [*msg.stats, *msg.lora_replies]:
                 waiter = self._stats_waiters.pop(reply.query_id, None)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(reply.stats)
+                    waiter.set_result(reply.stats if not isinstance(reply, LoRAReply) else reply)
 
     def stream_opened(self, stream: GenerationStream) -> None:
         self._streams[stream.request_id] = stream
@@ -239,15 +242,17 @@ class EngineClient:
         self._send(self._track(request_id, prompt_token_ids, params, eos_token_id, priority, queue, pooling))
 
     def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]], eos_token_id: int | None,
-                     priority: int, queue: asyncio.Queue) -> None:
+                     priority: int, queue: asyncio.Queue, lora_request: LoRARequest | None = None) -> None:
         """(request id, prompt, params) each, in one message, so that the engine starts them in the same step:
         the samples of one API request, the beams of one beam-search step."""
         self.check_alive()
-        self._send(AddRequests([self._track(request_id, prompt_token_ids, params, eos_token_id, priority, queue)
+        self._send(AddRequests([self._track(request_id, prompt_token_ids, params, eos_token_id, priority, queue,
+                                            lora_request=lora_request)
                                 for request_id, prompt_token_ids, params in requests]))
 
     def _track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int | None,
-               priority: int, queue: asyncio.Queue, pooling: PoolingParams | None = None) -> AddRequest:
+               priority: int, queue: asyncio.Queue, pooling: PoolingParams | None = None,
+               lora_request: LoRARequest | None = None) -> AddRequest:
         self._queues[request_id] = queue
         self._queued[request_id] = len(prompt_token_ids)
         arrival = time.monotonic()
@@ -255,8 +260,9 @@ class EngineClient:
             max_tokens = params.max_tokens if params.max_tokens is not None else self.ready.max_model_len - len(
                 prompt_token_ids)
             self.metrics.request_added(request_id, len(prompt_token_ids), arrival,
-                                       max_tokens if pooling is None else None)
-        return AddRequest(request_id, prompt_token_ids, params, eos_token_id, priority, arrival, pooling)
+                                       max_tokens if pooling is None else None,
+                                       lora_request.lora_name if lora_request is not None else None)
+        return AddRequest(request_id, prompt_token_ids, params, eos_token_id, priority, arrival, pooling, lora_request)
 
     def abort(self, request_ids: list[str], finished_reason: str = "abort") -> None:
         """Stops requests in the engine; finished_reason is what the metrics record (a stop string that the
@@ -282,7 +288,28 @@ class EngineClient:
         finally:
             self._stats_waiters.pop(query_id, None)
 
+    async def add_lora(self, lora_request: LoRARequest, timeout_s: float = 300.0) -> None:
+        """Loads an adapter into the engine (vLLM's add_lora): raises LoRANotFound when its path holds none, and
+        ParamError when it cannot be served."""
+        await self._lora_call(AddLoRA(next(self._query_ids), lora_request), timeout_s)
+
+    async def remove_lora(self, lora_int_id: int, timeout_s: float = 60.0) -> None:
+        """Unloads an adapter; the engine keeps it until the requests that use it have finished."""
+        await self._lora_call(RemoveLoRA(next(self._query_ids), lora_int_id), timeout_s)
+
+    async def _lora_call(self, msg: AddLoRA | RemoveLoRA, timeout_s: float) -> None:
+        self.check_alive()
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters[msg.query_id] = waiter
+        self._send(msg)
+        try:
+            reply: LoRAReply = await asyncio.wait_for(waiter, timeout_s)
+        finally:
+            self._stats_waiters.pop(msg.query_id, None)
+        if reply.error is not None:
+            raise LoRANotFound(reply.error) if reply.not_found else ParamError(reply.error, "lora_path")
+
     def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams, tokenizer,
-                 priority: int = 0) -> GenerationStream:
+                 priority: int = 0, lora_request: LoRARequest | None = None) -> GenerationStream:
         """n samples of each prompt; use as `with client.generate(...) as stream: async for deltas in stream`."""
-        return GenerationStream(self, request_id, prompts, params, tokenizer, priority)
+        return GenerationStream(self, request_id, prompts, params, tokenizer, priority, lora_request)

@@ -37,6 +37,11 @@ class ModelNotFound(Exception):
         super().__init__(f"The model `{model}` does not exist.")
 
 
+class LoRANotFound(Exception):
+    """An adapter name or path the server does not know (vLLM answers these 404 too)."""
+    param = "lora_name"
+
+
 class Unauthorized(Exception):
     """No API key, or the wrong one."""
 
@@ -64,6 +69,7 @@ ERRORS: dict[type[BaseException], ErrorKind] = {
     ParamError: ErrorKind(400, "invalid_request_error"),
     Unauthorized: ErrorKind(401, "authentication_error"),
     ModelNotFound: ErrorKind(404, "not_found_error"),
+    LoRANotFound: ErrorKind(404, "not_found_error"),
     RequestTooLarge: ErrorKind(413, "invalid_request_error"),
     Overloaded: ErrorKind(503, "overloaded_error", retry_after=True),
     ServiceUnavailable: ErrorKind(503, "service_unavailable_error", "Service unavailable: {}.", retry_after=True),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineCoreOutput, RequestError, TokenLogprobs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import ParamError, SamplingParams, child_params
 from tokenmill.server.errors import EngineDeadError, StreamStalled
 from tokenmill.server.tracing import RequestTrace
@@ -55,6 +56,7 @@ class GenerationStream:
     params: SamplingParams
     tokenizer: object
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the adapter every sample runs with (tokenmill/lora/)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     samples: dict[str, _Sample] = field(default_factory=dict)
     unfinished: set[str] = field(default_factory=set)
@@ -77,7 +79,7 @@ class GenerationStream:
             # one message: the engine starts every sample (every beam of a beam-search step) in the same step
             self.client.add_requests([(engine_id, self.prompts[sample.index // self.params.n], sample.params)
                                       for engine_id, sample in self.samples.items()],
-                                     self.tokenizer.eos_token_id, self.priority, self.queue)
+                                     self.tokenizer.eos_token_id, self.priority, self.queue, self.lora_request)
             self.unfinished.update(self.samples)
         except BaseException:
             self.close()

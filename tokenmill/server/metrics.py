@@ -50,6 +50,7 @@ class _Tracked:
     max_tokens: int | None = None  # the request's max_tokens parameter (None: a pooling request has none)
     parent: str | None = None  # the API request's prompt that this is one of n samples of
     has_output: bool = False  # vLLM's "is_prefilling" is over: its first output has arrived
+    lora_name: str | None = None  # the LoRA adapter it ran with
 
 
 @dataclass
@@ -62,7 +63,7 @@ class _Parent:
 
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool, cache_dtype: str = "auto"):
+                 enable_prefix_caching: bool, cache_dtype: str = "auto", max_loras: int = 0):
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
 
@@ -145,6 +146,17 @@ class ServerMetrics:
         Info("vllm:cache_config", "Information of the LLMEngine CacheConfig", registry=r).info({
             "block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
             "enable_prefix_caching": str(enable_prefix_caching), "cache_dtype": cache_dtype})
+        # LoRA (with --enable-lora): vLLM's info gauge, whose labels name the adapters of the running and waiting
+        # requests (its value: when that was last so), and the finished requests of each adapter
+        self.max_loras = max_loras
+        self._lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                registry=r) if max_loras else None
+        self._lora_info_labels: tuple[str, str, str] | None = None
+        self._lora_requests = None
+        if max_loras:
+            self._lora_requests = Counter("tokenmill:lora_requests", "Finished requests per LoRA adapter.",
+                                          ["model_name", "lora_name", "finished_reason"], registry=r)
         self._engine_totals = (0, 0, 0)  # prefix queries, prefix hits, preemptions, as last reported
         self._tracked: dict[str, _Tracked] = {}
         # plain copies for the periodic stats line (prometheus_client has no public read of a counter)
@@ -180,6 +192,14 @@ class ServerMetrics:
                 self._spec_per_pos.labels(self._model_name, str(pos)).inc(new - old)
         if stats.spec_accepted_per_pos:
             self._spec_per_pos_totals = list(stats.spec_accepted_per_pos)
+        if self._lora_info is not None:
+            labels = (str(self.max_loras), ",".join(sorted(stats.waiting_lora_adapters)),
+                      ",".join(sorted(stats.running_lora_adapters)))
+            if labels != self._lora_info_labels:  # one series, the current one (vLLM keeps every past one too)
+                if self._lora_info_labels is not None:
+                    self._lora_info.remove(*self._lora_info_labels)
+                self._lora_info_labels = labels
+            self._lora_info.labels(*labels).set_to_current_time()
 
     def record_iteration(self, outputs: list[EngineCoreOutput]) -> None:
         """vllm:iteration_tokens_total as vLLM counts it, per step that produced outputs: the new tokens, plus the
@@ -199,12 +219,13 @@ class ServerMetrics:
     # ---- per request ----
 
     def request_added(self, request_id: str, num_prompt_tokens: int, arrival: float,
-                      max_tokens: int | None = None) -> None:
+                      max_tokens: int | None = None, lora_name: str | None = None) -> None:
         """max_tokens: the max_tokens parameter as the engine applies it; None for a pooling request, which has
         none. A sampling request's id is GenerationStream's `{request}-{prompt}-{sample}`: the samples of one prompt
         (all added at once, before any can finish) make its n."""
         parent = request_id.rsplit("-", 1)[0] if max_tokens is not None else None
-        self._tracked[request_id] = _Tracked(num_prompt_tokens, arrival, max_tokens=max_tokens, parent=parent)
+        self._tracked[request_id] = _Tracked(num_prompt_tokens, arrival, max_tokens=max_tokens, parent=parent,
+                                             lora_name=lora_name)
         if parent is not None:
             group = self._parents.setdefault(parent, _Parent(0, 0))
             group.n += 1
@@ -235,6 +256,8 @@ class ServerMetrics:
         if t is None:
             return
         self._success.labels(self._model_name, finished_reason).inc()
+        if t.lora_name is not None and self._lora_requests is not None:
+            self._lora_requests.labels(self._model_name, t.lora_name, finished_reason).inc()
         if t.max_tokens:
             self.request_params_max_tokens.observe(t.max_tokens)
         group = self._parents.get(t.parent) if t.parent is not None else _Parent(1, 1)

@@ -46,7 +46,7 @@ TOKENIZER_INFO = {"type": "object", "required": ["tokenizer_class"], "additional
 ERRORS = {
     400: "Invalid request; `error.param` names the field.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
-    404: "The model does not exist.",
+    404: "The model (or LoRA adapter) does not exist.",
     413: "The request body is larger than --max-request-body-bytes.",
     503: "Overloaded (past --max-num-queued-reqs/-tokens), loading, shutting down, or the engine is dead. Retry "
          "after Retry-After seconds, when given.",
@@ -65,6 +65,9 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("/load", "get"): {JSON: LOAD},
     ("/tokenizer_info", "get"): {JSON: TOKENIZER_INFO},
     ("/v1/models", "get"): {JSON: _ref("ModelList")},
+    # with VLLM_ALLOW_RUNTIME_LORA_UPDATING (serving_models.py): vLLM's "Success: ..." line
+    ("/v1/load_lora_adapter", "post"): {TEXT: STRING},
+    ("/v1/unload_lora_adapter", "post"): {TEXT: STRING},
     ("/tokenize", "post"): {JSON: _ref("TokenizeResponse")},
     ("/detokenize", "post"): {JSON: _ref("DetokenizeResponse")},
     ("/metrics", "get"): {METRICS_CONTENT_TYPE: STRING},  # the Prometheus text exposition format
@@ -149,8 +152,8 @@ def _error_statuses(path: str, op: dict[str, Any], schemas: dict[str, Any], api_
     if body:
         statuses |= {400, 413}
         refs = [s["$ref"] for s in (body, *body.get("anyOf", ())) if "$ref" in s]  # one shape, or any of several
-        if any("model" in schemas[ref.rsplit("/", 1)[-1]].get("properties", {}) for ref in refs):
-            statuses.add(404)  # no such model
+        if any({"model", "lora_name"} & schemas[ref.rsplit("/", 1)[-1]].get("properties", {}).keys() for ref in refs):
+            statuses.add(404)  # no such model (or LoRA adapter)
     if "{" in path:
         statuses.add(404)  # no such object
     if api_key and path.startswith("/v1/"):

@@ -280,6 +280,20 @@ class DetokenizeRequest(_Body):
     tokens: list[Annotated[Int, Field(ge=0)]]
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter (with VLLM_ALLOW_RUNTIME_LORA_UPDATING): both fields are required, and their
+    absence is answered in vLLM's words (serving_models.py)."""
+    lora_name: str | None = None
+    lora_path: str | None = None
+    load_inplace: bool = False  # replace an adapter already loaded under this name
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter: the adapter by name (lora_int_id is accepted, as vLLM's shape has it)."""
+    lora_name: str | None = None
+    lora_int_id: Int | None = None
+
+
 # ============================== responses ==============================
 
 

@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass, field
 
 from tokenmill.config import CliConfig
+from tokenmill.lora.request import LoRAModulePath
 from tokenmill.server.chat_utils import SHIPPED_TEMPLATES
 from tokenmill.server.tool_parsers import TOOL_PARSERS
 
@@ -39,6 +40,10 @@ class ServerConfig(CliConfig):
         "help": "abort a streaming request whose client has not taken its pending output for this many seconds "
                 "(it stopped reading): its KV cache is freed"})
     max_n: int = field(default=DEFAULT_MAX_N, metadata={"help": "largest n a request may ask for"})
+    lora_modules: list[LoRAModulePath] | None = field(default=None, metadata={
+        "nargs": "+", "type": LoRAModulePath.parse,
+        "help": "LoRA adapters to serve (needs --enable-lora): name=path or JSON {\"name\", \"path\", "
+                "\"base_model_name\"}; a request picks one by its model name"})
     return_tokens_as_token_ids: bool = field(default=False, metadata={
         "help": "render logprob tokens as 'token_id:N' (so that bytes that are not UTF-8 survive) unless a request's "
                 "return_tokens_as_token_ids says otherwise"})

@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass, field
 
 from tokenmill.engine.messages import EngineReady, validate_request
+from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import check_generate_runner, check_pooling_runner
 from tokenmill.reasoning import ReasoningSpec
 from tokenmill.sampling_params import ParamError, SamplingParams
@@ -35,12 +36,14 @@ class ServerState:
     max_chars_per_token: int = field(init=False)  # the longest token's text: n characters are ≥ n / this tokens
     _token_strs: dict[int, str] = field(default_factory=dict, init=False)
     server_load: int = field(default=0, init=False)  # requests in flight (--enable-server-load-tracking)
+    # the LoRA adapters the API serves, by name (serving_models.py): --lora-modules and runtime loads
+    loras: dict[str, LoRARequest] = field(default_factory=dict, init=False)
 
     def __post_init__(self):
         self.max_chars_per_token = max(len(token) for token in self.tokenizer.get_vocab())
         e = self.engine
         self.metrics = ServerMetrics(self.model_names[0], e.max_model_len, e.num_blocks, e.block_size,
-                                     e.enable_prefix_caching, e.cache_dtype)
+                                     e.enable_prefix_caching, e.cache_dtype, e.max_loras)
         self.client.metrics = self.metrics
 
     @functools.cached_property
@@ -52,13 +55,19 @@ class ServerState:
         from tokenmill.engine.structured_output import GrammarCompiler
         return GrammarCompiler(self.tokenizer, self.engine.vocab_size)
 
-    def check_model(self, model: str | None, runner: str | None = "generate") -> None:
+    def check_model(self, model: str | None, runner: str | None = "generate") -> LoRARequest | None:
         """The model name, and that the engine runs what the endpoint needs (`--runner`; None: either), before any
-        other check."""
-        if model is not None and model not in self.model_names and model != self.model_root:
+        other check. Returns the LoRA adapter the name selects (None: the base model)."""
+        lora = self.loras.get(model) if model is not None else None
+        if model is not None and lora is None and model not in self.model_names and model != self.model_root:
             raise ModelNotFound(model)
         if runner is not None:
             (check_generate_runner if runner == "generate" else check_pooling_runner)(self.engine.runner)
+        return lora
+
+    def served_model_name(self, lora: LoRARequest | None) -> str:
+        """The `model` a response reports: the adapter's name, as vLLM, or the first served name."""
+        return lora.lora_name if lora is not None else self.model_names[0]
 
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)

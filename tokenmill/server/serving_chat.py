@@ -37,7 +37,7 @@ class OpenAIServingChat(OpenAIServing):
         """The conversations' prompts go to the engine as one request (n samples of each), as a completion's list
         of prompts does: choice i is sample i % n of conversation i // n."""
         state = self.state
-        state.check_model(req.model)
+        lora = state.check_model(req.model)
         tool_mode, named_tool, tool_constraint = self.tool_choice(req)
         rendered = [await state.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
                                             req.chat_template_kwargs, req.tools) for messages in conversations]
@@ -70,10 +70,10 @@ class OpenAIServingChat(OpenAIServing):
             return ChatOutputParser(splitter, req.include_reasoning, tool_mode, tool_parser, named_tool)
 
         if req.use_beam_search:  # streamed too, as vLLM does: each beam in one chunk, at the end
-            stream = self.start_beam_search(request_id, prompts, req, max_tokens, num_logprobs, tool_constraint)
+            stream = self.start_beam_search(request_id, prompts, req, max_tokens, num_logprobs, tool_constraint, lora)
         else:
-            stream = self.start(request_id, prompts, params, req.priority, raw, "chat")
-        model, created, n = state.model_names[0], int(time.time()), stream.params.n
+            stream = self.start(request_id, prompts, params, req.priority, raw, "chat", lora)
+        model, created, n = state.served_model_name(lora), int(time.time()), stream.params.n
         if req.stream:  # one conversation: a batch cannot stream (protocol.BatchChatCompletionRequest)
             return EventStreamResponse(self.events(stream, prompts[0], model, created, *self.stream_usage(req),
                                                    output_parser, echo_texts[0], bool(req.return_token_ids), as_ids))

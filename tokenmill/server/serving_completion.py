@@ -30,7 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: p.CompletionRequest, raw: Request):
         state = self.state
-        state.check_model(req.model)
+        lora = state.check_model(req.model)
         prompts = self.truncate(await self.prompts(req.prompt, req.add_special_tokens), req)
         num_logprobs = self.num_logprobs(req.logprobs, "logprobs")
         prompt_logprobs = self.num_logprobs(req.prompt_logprobs, "prompt_logprobs")
@@ -40,12 +40,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.use_beam_search:
             if req.stream:  # vLLM's answer: its beam search yields only the final output
                 raise ParamError("Streaming is not currently supported with beam search", "stream")
-            stream = self.start_beam_search(request_id, prompts, req, req.max_tokens, num_logprobs)
+            stream = self.start_beam_search(request_id, prompts, req, req.max_tokens, num_logprobs, lora_request=lora)
         else:
             params = self.sampling_params(req, req.max_tokens, num_logprobs, prompt_logprobs)
-            stream = self.start(request_id, prompts, params, req.priority, raw, "text_completion")
+            stream = self.start(request_id, prompts, params, req.priority, raw, "text_completion", lora)
         echo_texts = [state.tokenizer.decode(ids) for ids in prompts] if req.echo else None
-        model, created, n = state.model_names[0], int(time.time()), stream.params.n
+        model, created, n = state.served_model_name(lora), int(time.time()), stream.params.n
         as_ids = self.tokens_as_ids(req)
         if req.stream:
             return EventStreamResponse(self.events(stream, prompts, echo_texts, model, created, *self.stream_usage(req),

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from tokenmill.beam_search import BeamSearchParams, check_beam_width
 from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from tokenmill.server import protocol as p
 from tokenmill.server.beam_search_stream import BeamSearchStream
@@ -180,17 +181,18 @@ class OpenAIServing:
         return specs[0]
 
     def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-               raw: Request, operation: str) -> GenerationStream:
-        """Validates every prompt first, so that a bad one fails the request before anything reaches the engine."""
+               raw: Request, operation: str, lora_request: LoRARequest | None = None) -> GenerationStream:
+        """Validates every prompt first, so that a bad one fails the request before anything reaches the engine.
+        lora_request: the adapter the request's model names (ServerState.check_model)."""
         state = self.state
         state.client.check_alive()
         for ids in prompts:
             state.validate(ids, params, priority)
         state.check_queue([ids for ids in prompts for _ in range(params.n)])
-        stream = state.client.generate(request_id, prompts, params, state.tokenizer, priority)
+        stream = state.client.generate(request_id, prompts, params, state.tokenizer, priority, lora_request)
         if state.tracer is not None:
             stream.trace = RequestTrace(
-                request_id, operation, state.model_names[0], dict(raw.headers), params.max_tokens,
+                request_id, operation, state.served_model_name(lora_request), dict(raw.headers), params.max_tokens,
                 params.temperature, params.top_p, params.n, input_tokens=sum(len(ids) for ids in prompts))
             if state.tracer.include_text:
                 stream.trace.prompt_text = "".join(state.tokenizer.decode(ids) for ids in prompts)
@@ -199,7 +201,8 @@ class OpenAIServing:
 
     def start_beam_search(self, request_id: str, prompts: list[list[int]], req: p.SamplingFields,
                           max_tokens: int | None, num_logprobs: int | None,
-                          tool_constraint: StructuredOutputsParams | None = None) -> BeamSearchStream:
+                          tool_constraint: StructuredOutputsParams | None = None,
+                          lora_request: LoRARequest | None = None) -> BeamSearchStream:
         """use_beam_search, n being the beam width. Beam search ranks by the model's logprobs alone, so a sampling
         field it would not honour is a 400 naming it (vLLM ignores them), as is a width whose 2n candidates per
         step exceed --max-logprobs."""
@@ -231,7 +234,7 @@ class OpenAIServing:
                                            req.include_stop_str_in_output, req.early_stopping))
         state.check_queue(prompts)  # the first step: one request per prompt
         return BeamSearchStream(state.client, request_id, prompts, params, state.tokenizer, req.priority,
-                                num_logprobs, req.skip_special_tokens)
+                                num_logprobs, req.skip_special_tokens, lora_request)
 
     def _record_trace(self, stream: GenerationStream) -> None:
         t = stream.trace

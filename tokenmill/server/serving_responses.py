@@ -221,7 +221,7 @@ class OpenAIServingResponses(OpenAIServing):
 
     async def create_response(self, req: rp.ResponsesRequest, raw: Request):
         state = self.state
-        state.check_model(req.model)
+        lora = state.check_model(req.model)
         if req.n != 1:
             raise ParamError(f"a response has one output: n must be 1, got {req.n}", "n")
         items = [rp.InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
@@ -239,8 +239,8 @@ class OpenAIServingResponses(OpenAIServing):
                 raise
             raise ParamError(str(e), "input") from None
         params = self.params(req, tool_constraint)
-        stream = self.start(new_id("resp"), [prompt_ids], params, req.priority, raw, "responses")
-        echo = self.echo(req, stream.request_id, params)
+        stream = self.start(new_id("resp"), [prompt_ids], params, req.priority, raw, "responses", lora)
+        echo = self.echo(req, stream.request_id, params, state.served_model_name(lora))
         splitter = ReasoningSplitter(state.reasoning, prompt_text) if state.reasoning is not None else None
         tool_parser = TOOL_PARSERS[state.config.auto_tool_call_parser]() if tool_mode == "auto" else None
         parser = ChatOutputParser(splitter, True, tool_mode, tool_parser, named_tool)
@@ -292,10 +292,10 @@ class OpenAIServingResponses(OpenAIServing):
                 raise
             raise ParamError(str(e), "text") from None
 
-    def echo(self, req: rp.ResponsesRequest, response_id: str, params: SamplingParams) -> dict:
+    def echo(self, req: rp.ResponsesRequest, response_id: str, params: SamplingParams, model: str) -> dict:
         """The fields every state of the response shares: its id and the request's settings."""
         fmt = req.text.format if req.text is not None and req.text.format is not None else rp.TextFormat()
-        return dict(id=response_id, created_at=int(time.time()), model=self.state.model_names[0],
+        return dict(id=response_id, created_at=int(time.time()), model=model,
                     parallel_tool_calls=req.parallel_tool_calls, tool_choice=req.tool_choice or "auto",
                     tools=req.tools or [], text={"format": fmt.model_dump(by_alias=True, exclude_none=True)},
                     temperature=params.temperature, top_p=params.top_p, store=req.store,

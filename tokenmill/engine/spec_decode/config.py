@@ -1,5 +1,6 @@
 """--speculative-config: vLLM's JSON shape, e.g. '{"method": "ngram", "num_speculative_tokens": 4,
-"prompt_lookup_min": 2, "prompt_lookup_max": 5}' or '{"method": "suffix"}'.
+"prompt_lookup_min": 2, "prompt_lookup_max": 5}', '{"method": "suffix"}' or '{"method": "draft_model", "model":
+PATH, "num_speculative_tokens": 4}' (as in vLLM, a "model" without a "method" means draft_model).
 
 Torch-free, like the rest of the config (tokenmill/config.py), so the API server can parse the flag."""
 from __future__ import annotations
@@ -8,15 +9,20 @@ from dataclasses import dataclass
 
 from tokenmill.json_flag import parse_json_flag
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "ngram"
+    # None: draft_model when a model is given (vLLM's inference), else ngram
+    method: str | None = None
     # Most drafts per request and step. ngram: required in vLLM, 4 here by default; suffix: the tree depth
-    # bounds it (vLLM's default there is suffix_decoding_max_tree_depth).
+    # bounds it (vLLM's default there is suffix_decoding_max_tree_depth); draft_model: required, as in vLLM.
     num_speculative_tokens: int | None = None
+    # draft_model: the draft (an HF directory or a GGUF file) sharing the target's tokenizer, and its
+    # --quantization (None: auto, its weights as they are, as vLLM infers it from the draft).
+    model: str | None = None
+    quantization: str | None = None
     # ngram (prompt lookup): the longest n-gram of the context's tail, min..max tokens long, found earlier in
     # the prompt or output, proposes the tokens that followed it.
     prompt_lookup_min: int | None = None
@@ -37,6 +43,8 @@ class SpeculativeConfig:
     max_verify_tokens: int | None = None
 
     def __post_init__(self):
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         if self.method not in METHODS:
             raise ValueError(f"--speculative-config: method must be one of {list(METHODS)}, got {self.method!r}")
         if self.method == "ngram":
@@ -52,8 +60,15 @@ class SpeculativeConfig:
                 raise ValueError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
             if self.num_speculative_tokens is None:
                 self.num_speculative_tokens = 4
+        elif self.method == "draft_model":
+            if self.model is None or self.num_speculative_tokens is None:
+                raise ValueError('--speculative-config: method draft_model needs "model" (the draft\'s path) and '
+                                 '"num_speculative_tokens"')
         elif self.num_speculative_tokens is None:
             self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
+        if self.method != "draft_model" and (self.model is not None or self.quantization is not None):
+            raise ValueError(f'--speculative-config: "model" and "quantization" are for method draft_model, not '
+                             f"{self.method}")
         if self.num_speculative_tokens < 1:
             raise ValueError("--speculative-config: num_speculative_tokens must be at least 1")
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:

@@ -7,13 +7,18 @@ probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection emit a token dra
 renormalised, and stop; if all k are accepted, emit a bonus token drawn from p_k. Every emitted token is then
 distributed as p: general_rejection_sample.
 
-tokenmill's proposers (n-gram, suffix) are deterministic: q_j is one-hot on x_j. Then "accept with probability
+The n-gram and suffix proposers, and a draft model for greedy and seeded requests (its argmax), are
+deterministic: q_j is one-hot on x_j. Then "accept with probability
 p(x), else draw from p without x" is the same as drawing y from p by inverse CDF and accepting x iff y == x, and
 emitting y otherwise (P(y == x) = p(x); given y != x, y is distributed as p without x, renormalised). So
 verify() draws each position exactly as the sampler draws a token: the same processing, one uniform per
 position, from the request's own generator when it is seeded, consumed only for the positions that emit a token
 (the generator is rewound past the others). A seeded request thus gets the very tokens it gets without
-speculation, and greedy requests (argmax at every position) likewise."""
+speculation, and greedy requests (argmax at every position) likewise.
+
+A draft model's drafts for other sampled requests are drawn from its own q_j (request.spec_draft_probs): those
+are verified by general_rejection_sample, with the k + 1 uniforms drawn for the request's positions (k for the
+acceptance tests, the last for the one token drawn after them, from the residual or, all accepted, from p_k)."""
 from __future__ import annotations
 
 import torch
@@ -39,13 +44,18 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request]) -> l
     if all(greedy):
         targets = sampler._argmax(logits).tolist()
     else:
-        targets = _draw_positions(sampler, logits, requests, row_requests, greedy)
+        targets, probs, uniforms = _draw_positions(sampler, logits, requests, row_requests, greedy)
     out, row = [], 0
     for r in requests:
         k = len(r.spec_token_ids)
-        mine = targets[row:row + k + 1]
-        n = accepted_length(mine, r.spec_token_ids)
-        out.append(r.spec_token_ids[:n] + [mine[n]])
+        if r.spec_draft_probs is not None:  # drawn from the draft's q (never for greedy requests)
+            rows = slice(row, row + k + 1)
+            out.append(general_rejection_sample(probs[rows], r.spec_draft_probs[:k], r.spec_token_ids,
+                                                uniforms[rows]))
+        else:
+            mine = targets[row:row + k + 1]
+            n = accepted_length(mine, r.spec_token_ids)
+            out.append(r.spec_token_ids[:n] + [mine[n]])
         row += k + 1
     if not all(greedy):
         _rewind_seeded(requests, out)
@@ -53,7 +63,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request]) -> l
 
 
 def _draw_positions(sampler: Sampler, logits: torch.Tensor, requests: list[Request], row_requests: list[Request],
-                    greedy: list[bool]) -> list[int]:
+                    greedy: list[bool]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Each position's token drawn as the sampler draws; also the distributions and uniforms it used."""
     dev = logits.device
     probs = sampler.target_probs(logits, row_requests, greedy)
     uniforms = torch.empty(len(row_requests), dtype=torch.float64, device=dev)
@@ -72,7 +83,7 @@ def _draw_positions(sampler: Sampler, logits: torch.Tensor, requests: list[Reque
     tokens = sample_inverse_cdf(probs, uniforms)
     if any(greedy):
         tokens = torch.where(torch.tensor(greedy, device=dev), sampler._argmax(logits), tokens)
-    return tokens.tolist()
+    return tokens.tolist(), probs, uniforms
 
 
 def _rewind_seeded(requests: list[Request], emitted: list[list[int]]) -> None:
@@ -86,20 +97,23 @@ def _rewind_seeded(requests: list[Request], emitted: list[list[int]]) -> None:
 
 
 def general_rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_token_ids: list[int],
-                             generator: torch.Generator | None = None) -> list[int]:
-    """One request's verification against a draft distribution q (a draft model's): target_probs [k+1, V] and
-    draft_probs [k, V], both normalised; draft_token_ids were drawn from draft_probs. Returns the accepted drafts
-    and the token after them."""
+                             uniforms: torch.Tensor) -> list[int]:
+    """One request's verification against a draft distribution q (a draft model's): target_probs [k+1, V] (not
+    necessarily normalised: min-p is not renormalised) and draft_probs [k, V], normalised, from which
+    draft_token_ids were drawn; uniforms [k+1] in [0, 1). Returns the accepted drafts and the token after them."""
     k = len(draft_token_ids)
     dev = target_probs.device
-    u = torch.rand(k + 1, dtype=torch.float64, device=dev, generator=generator)
-    p, q = target_probs.double(), draft_probs.double()
-    for j, x in enumerate(draft_token_ids):
-        if u[j] * q[j, x] < p[j, x]:  # accept with probability min(1, p/q)
-            continue
-        residual = (p[j] - q[j]).clamp_min(0.0)
-        if residual.sum() <= 0:  # p == q: a rejection has probability 0; rounding only
-            residual = p[j]
-        token = sample_inverse_cdf(residual[None], u[k:k + 1])[0]
-        return draft_token_ids[:j] + [int(token)]
-    return draft_token_ids + [int(sample_inverse_cdf(p[k][None], u[k:k + 1])[0])]
+    p = target_probs.double()
+    p = p / p.sum(dim=-1, keepdim=True)
+    q = draft_probs.double()
+    positions, drafts = torch.arange(k, device=dev), torch.tensor(draft_token_ids, dtype=torch.long, device=dev)
+    # accept x_j with probability min(1, p/q): u q < p (q(x_j) > 0, as x_j was drawn from q)
+    accepted = (uniforms[:k] * q[positions, drafts] < p[positions, drafts]).tolist()
+    n = accepted.index(False) if False in accepted else k
+    if n == k:  # all accepted: the bonus token, from p_k
+        dist = p[k]
+    else:
+        dist = (p[n] - q[n]).clamp_min(0.0)
+        if dist.sum() <= 0:  # p == q: a rejection has probability 0; rounding only
+            dist = p[n]
+    return draft_token_ids[:n] + [int(sample_inverse_cdf(dist[None], uniforms[k:k + 1])[0])]

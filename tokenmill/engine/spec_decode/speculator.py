@@ -7,7 +7,10 @@ without speculation, when it has: structured output or a thinking tracker (gramm
 by token), repetition/presence/frequency penalties or logit_bias (logits edited from the output so far),
 min_tokens not yet reached (EOS masked), logprobs (one entry per token), or stop strings (matched on text by the
 front end, which would receive tokens past the stop in the same output). Stop token ids, EOS and max_tokens work
-with drafts: the engine ends the request at the first of them in an accepted run (engine.py)."""
+with drafts: the engine ends the request at the first of them in an accepted run (engine.py).
+
+The n-gram and suffix proposers answer one request at a time; a draft model (draft_model.py) proposes for all
+the step's speculating requests at once, one forward pass per draft position."""
 from __future__ import annotations
 
 from tokenmill.engine.request import Request
@@ -32,9 +35,10 @@ def can_speculate(r: Request) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, proposer=None):
+        """proposer: the draft_model method's DraftModelProposer (the engine builds it: it needs the target)."""
         self.config = config
-        self.proposer = make_proposer(config)
+        self.proposer = proposer or make_proposer(config)
         self.max_verify_tokens = config.max_verify_tokens or adaptive.DEFAULT_MAX_VERIFY_TOKENS
         self.estimates: dict[str, adaptive.AcceptanceEstimate] = {}
         # cumulative, for SchedulerStats (vLLM's counters)
@@ -49,7 +53,7 @@ class Speculator:
         demand = 0
         decoding = []
         for r in running:
-            r.spec_token_ids = []
+            r.spec_token_ids, r.spec_draft_probs = [], None
             demand += r.num_tokens - r.num_computed_tokens
             if r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens and can_speculate(r):
                 decoding.append(r)
@@ -60,6 +64,7 @@ class Speculator:
         if self.config.adaptive:
             num_decodes = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
             cap = min(cap, adaptive.per_request_cap(num_decodes, self.max_verify_tokens))
+        batched: list[tuple[Request, int]] = []  # draft_model: (request, k), proposed together below
         for r in decoding:
             if room <= 0 or cap <= 0:
                 break
@@ -70,8 +75,14 @@ class Speculator:
                 k = adaptive.draft_length(estimate, k)
             if k <= 0:
                 continue
+            if self.config.method == "draft_model":  # a draft model always has k drafts to give
+                batched.append((r, k))
+                room -= k
+                continue
             r.spec_token_ids = self.proposer.propose(r.request_id, r.all_token_ids, k)[:k]
             room -= len(r.spec_token_ids)
+        if batched:
+            self.proposer.propose_batch(batched)
 
     def record(self, r: Request, num_drafts: int, num_accepted: int) -> None:
         self.num_drafts += 1

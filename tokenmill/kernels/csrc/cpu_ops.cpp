@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kv_quant.h"
+#include "lora.h"
 #include "quant_linear.h"
 
 namespace {
@@ -903,7 +904,8 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t num_heads, int64_t head_dim,
                          int64_t intermediate, double eps, double scale, int64_t small_m_max_rows,
-                         at::TensorList kv_scales) {
+                         at::TensorList kv_scales, at::TensorList lora_weights, at::TensorList lora_ranks,
+                         const std::optional<at::Tensor>& lora_segments) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == layers * kWeightsPerLayer &&
                   static_cast<int64_t>(v_caches.size()) == layers &&
@@ -914,6 +916,17 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
   at::Tensor q = at::empty({tokens, num_heads, head_dim}, embeddings.options());
   at::Tensor attn = at::empty_like(q);
   at::Tensor act = at::empty({tokens, intermediate}, embeddings.options());
+  // With LoRA tokens in the step (tokenmill/lora/): per layer A^T and B^T of qkv, o, gate_up and down, the slots'
+  // ranks of each of the four (empty: no adapter of the step targets it), and each request's rows and slot.
+  TORCH_CHECK(lora_weights.empty() || (static_cast<int64_t>(lora_weights.size()) == layers * 8 &&
+                                       lora_ranks.size() == 4 && lora_segments.has_value()),
+              "llama_forward: LoRA weights, ranks or segments missing");
+  auto lora = [&](at::Tensor& out, const at::Tensor& x, int64_t l, int kind, at::IntArrayRef shard_out) {
+    if (lora_weights.empty() || lora_ranks[kind].numel() == 0) return;
+    RECORD_FUNCTION("tokenmill::lora_delta", std::vector<c10::IValue>());
+    TM_NAMESPACE::lora_delta(out, x, lora_weights[l * 8 + 2 * kind], lora_weights[l * 8 + 2 * kind + 1],
+                             *lora_segments, lora_ranks[kind], shard_out);
+  };
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = layer_weights.data() + l * kWeightsPerLayer;
     {
@@ -925,6 +938,7 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
     }
     const int64_t kv_heads = k_caches[l].size(1), hidden = embeddings.size(1);
     at::Tensor qkv = layer_linear(h, w[1], w[10], w[2], (num_heads + 2 * kv_heads) * head_dim, small_m_max_rows);
+    lora(qkv, h, l, 0, {num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim});
     {
       RECORD_FUNCTION("tokenmill::rope_and_cache", std::vector<c10::IValue>());
       rope_and_cache(qkv, positions, cos, sin, k_caches[l], v_caches[l], slot_mapping, q, present(w[3]),
@@ -936,16 +950,19 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
                       kv_scales[l]);
     }
     at::Tensor o = layer_linear(attn.view({tokens, num_heads * head_dim}), w[5], w[11], w[6], hidden, small_m_max_rows);
+    lora(o, attn.view({tokens, num_heads * head_dim}), l, 1, {hidden});
     {
       RECORD_FUNCTION("tokenmill::fused_add_rms_norm", std::vector<c10::IValue>());
       fused_add_rms_norm(o, residual, w[7], eps);
     }
     at::Tensor gate_up = layer_linear(o, w[8], w[12], at::Tensor(), 2 * intermediate, small_m_max_rows);
+    lora(gate_up, o, l, 2, {intermediate, intermediate});
     {
       RECORD_FUNCTION("tokenmill::silu_and_mul", std::vector<c10::IValue>());
       silu_and_mul(act, gate_up);
     }
     h = layer_linear(act, w[9], w[13], at::Tensor(), hidden, small_m_max_rows);
+    lora(h, act, l, 3, {hidden});
   }
   RECORD_FUNCTION("tokenmill::fused_add_rms_norm", std::vector<c10::IValue>());
   fused_add_rms_norm(h, residual, final_norm, eps);
@@ -970,7 +987,8 @@ TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("llama_forward(Tensor embeddings, Tensor[] layer_weights, Tensor final_norm, Tensor[] k_caches, "
         "Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int num_heads, int head_dim, int intermediate, float eps, "
-        "float scale, int small_m_max_rows, Tensor[] kv_scales) -> Tensor");
+        "float scale, int small_m_max_rows, Tensor[] kv_scales, Tensor[] lora_weights, Tensor[] lora_ranks, "
+        "Tensor? lora_segments) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TM_NAMESPACE, CPU, m) {
