@@ -6,7 +6,7 @@
 # (tokenmill_router:overhead_seconds: arrival to forwarding) and its CPU time per request.
 #
 # Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/results/router/overhead)
-# Knobs (env): CONCURRENCY (64), REQUESTS per client and path (20), THREADS for the replica (2), POLICY (kv).
+# Knobs (env): CONCURRENCY (64), REQUESTS per client and path (20), THREADS for the replica (2), POLICY (kv), DTYPE (auto).
 # A tiny check: CONCURRENCY=4 REQUESTS=3 benchmarks/router_overhead.sh /tmp/ro
 set -euo pipefail
 OUT=${1:-benchmarks/results/router/overhead}
@@ -14,7 +14,7 @@ PY=${PY:-.venv/bin}
 CONCURRENCY=${CONCURRENCY:-64}; REQUESTS=${REQUESTS:-20}; THREADS=${THREADS:-2}; POLICY=${POLICY:-kv}
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
-OMP_NUM_THREADS=$THREADS TOKENMILL_NO_PROGRESS=1 $PY/tokenmill serve --port 8301 --dtype bfloat16 \
+OMP_NUM_THREADS=$THREADS TOKENMILL_NO_PROGRESS=1 $PY/tokenmill serve --port 8301 --dtype "${DTYPE:-auto}" \
   --max-model-len 2048 --disable-log-stats \
   --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5641", "replay_endpoint": "tcp://*:5642"}' \
   > "$OUT/replica.log" 2>&1 &

@@ -1,7 +1,8 @@
 """What verifying drafts costs: the time of one engine forward (runner.execute) for B decoding requests with k
 drafts each, i.e. B x (k + 1) query tokens, on contexts of --context tokens. The knee where the time stops being
 flat (weight-bound) and grows with the tokens (compute-bound) sets adaptive.DEFAULT_MAX_VERIFY_TOKENS: the last
-line prints the most tokens whose step costs at most --flat (1.3) x the one-token step.
+lines print the step time by token count (median over the B x k cells with that count), what each doubling of the
+tokens added, and the knee: the most tokens reached while every doubling added at most --doubling (50%).
 
     .venv/bin/python benchmarks/spec_decode_step_cost.py [--model M] [--context 256] [--repeats 7]
 """
@@ -24,7 +25,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batches", default="1,2,4,8,16,32")
     parser.add_argument("--drafts", default="0,1,3,7,15")
-    parser.add_argument("--flat", type=float, default=1.3, help="how much dearer than one row is still flat")
+    parser.add_argument("--doubling", type=float, default=0.5,
+                        help="the most a doubling of the tokens may add (a fraction) below the knee")
     args = parser.parse_args()
     engine = EngineCore(EngineConfig(model=args.model, max_model_len=args.context + 64))
     batches = [int(b) for b in args.batches.split(",")]
@@ -63,13 +65,15 @@ def main() -> None:
         print(f"{b:<6}" + "".join(f"{t:>10.1f}" for t in row))
     times = {n: statistics.median(t) for n, t in sorted(by_tokens.items())}
     print("by tokens (ms): " + ", ".join(f"{n}: {t:.1f}" for n, t in times.items()))
-    one = times[min(times)]
-    flat = min(times)
-    for n, t in times.items():  # up to the first count that costs more (noise past it does not count)
-        if t > args.flat * one:
-            break
-        flat = n
-    print(f"flat up to {flat} tokens (step <= {args.flat} x the {min(times)}-token step's {one:.1f} ms)")
+    knee = min(times)
+    for n, t in times.items():  # up to the first doubling that added more (noise past it does not count)
+        if n > knee and n == 2 * knee:
+            added = t / times[knee] - 1
+            print(f"  {knee} -> {n} tokens: +{100 * added:.0f}%")
+            if added > args.doubling:
+                break
+            knee = n
+    print(f"knee: {knee} tokens (each doubling up to it added <= {100 * args.doubling:.0f}%)")
 
 
 if __name__ == "__main__":

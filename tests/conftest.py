@@ -82,18 +82,50 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def teacher_forced_agreement(llm, prompts: list[list[int]], refs: list[list[int]]) -> tuple[float, float]:
+def teacher_forced_agreement(llm, prompts: list[list[int]], refs: list[list[int]],
+                             decode_steps: bool = False) -> tuple[float, float]:
     """The quality measure of the README and issue 15: the reference's greedy continuation fed as prompt; the
     share of positions where the reference's token is also llm's top-1, and where it is llm's unique maximum
-    (strict: a tie counts as disagreement)."""
+    (strict: a tie counts as disagreement).
+
+    decode_steps: each prompt is prefilled in one step, then its continuation fed one token per step, so that
+    every scored position is computed as decoding computes it: the tokens before it read from the KV cache as
+    stored, only its own K/V as just computed. In one prefill, a chunk's positions read each other's K/V as
+    computed (a one-byte KV cache is only written), so that measure barely sees a quantized cache."""
     from tokenmill import SamplingParams
-    scored = llm.generate([p + r for p, r in zip(prompts, refs)],
-                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    if decode_steps:
+        logprobs = [_prompt_logprobs_by_decode_steps(llm, f"decode-steps-{i}", p, r, params)
+                    for i, (p, r) in enumerate(zip(prompts, refs))]
+    else:
+        logprobs = [o.prompt_logprobs for o in llm.generate([p + r for p, r in zip(prompts, refs)], params,
+                                                            use_tqdm=False)]
     top1, strict = [], []
-    for p, r, o in zip(prompts, refs, scored):
-        entries = o.prompt_logprobs[len(p):]
+    for p, r, lps in zip(prompts, refs, logprobs):
+        entries = lps[len(p):]
         assert [e.token_id for e in entries] == r
         for e in entries:
             top1.append(e.rank == 1)
             strict.append(e.rank == 1 and e.top_logprobs[1] < e.logprob)
     return sum(top1) / len(top1), sum(strict) / len(strict)
+
+
+def _prompt_logprobs_by_decode_steps(llm, request_id: str, prompt: list[int], ref: list[int], params):
+    """The prompt logprobs of prompt + ref with the prompt in one step and ref one token per step (the engine
+    runs nothing else meanwhile): the scheduler's token budget set to the prompt, then to 1. On one torch thread,
+    as single_threaded_llm explains: one-token steps gain little from a second."""
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    budget, threads = scheduler.max_num_batched_tokens, torch.get_num_threads()
+    engine.add_request(request_id, prompt + ref, params)
+    scheduler.max_num_batched_tokens = len(prompt)
+    torch.set_num_threads(1)
+    logprobs = []
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                logprobs += o.prompt_logprobs or []
+            scheduler.max_num_batched_tokens = 1
+    finally:
+        scheduler.max_num_batched_tokens = budget
+        torch.set_num_threads(threads)
+    return logprobs

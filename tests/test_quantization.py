@@ -3,9 +3,11 @@
 Kernels: every format (GGUF Q4_0, Q4_1, Q8_0 from the gguf package's own quantizer; int8 and int4 quantized at
 load) against a dequantize-then-matmul reference with float activations, on every ISA build this CPU runs (the
 AVX-512 build uses VNNI where the CPU has it; the AVX2 build is the fallback path), in float32 and bfloat16, on
-both of the kernel's paths: up to DENSE_MIN_ROWS rows (int16 activations per 32-block: the error is bounded by
-half a step per element, computed from the data) and above (the weight dequantized, then oneDNN: bit-equal to
-oneDNN on the dequantized weight, i.e. to `--quantization none`).
+each of the kernel's paths: up to DENSE_MIN_ROWS rows (int16 activations per 32-block: the error is bounded by
+half a step per element, computed from the data), above (the weight dequantized, then oneDNN: bit-equal to oneDNN
+on the dequantized weight, i.e. to `--quantization none`), and bfloat16 above TILED_MIN_ROWS on CPUs with
+AVX512-BF16 (the dequantized bf16 weights multiplied in registers: the dequantized model's products, float32
+sums in another order, one bf16 rounding of the output).
 
 Engine: the Q4_1 default model kept quantized agrees with the same file dequantized (teacher-forced top-1, with
 prefill-sized steps and with steps small enough for the int16 kernel), int8 weights agree with the float32 model,
@@ -23,11 +25,13 @@ from gguf.quants import quantize as gguf_quantize
 
 from conftest import teacher_forced_agreement
 from tokenmill.kernels import load_ops, runnable_isas
+from tokenmill.models.linear import linear, pack_weight
 from tokenmill.models.quantization import QuantizedTensor, QuantizedWeight, from_gguf, quantize
 
 ISAS = runnable_isas()
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "int8", "int4"]
-SHAPES = [(37, 32), (100, 96), (129, 576), (16, 1536)]  # (N, K): odd N, K from one block to SmolLM2's widest
+# (N, K): odd N, K from one block to SmolLM2's widest; groups of 16 outputs odd and even in number
+SHAPES = [(37, 32), (100, 96), (129, 576), (16, 1536), (96, 64)]
 
 
 @pytest.fixture(params=ISAS, scope="module")
@@ -47,6 +51,7 @@ def make_weight(fmt: str, n: int, k: int, seed: int) -> QuantizedTensor:
 
 
 DENSE_MIN_ROWS = 96  # quant_linear.cpp's kDenseMinRows: more rows than this take the dequantize + oneDNN path
+TILED_MIN_ROWS = 24  # its kTiledMinRows: more bf16 rows than this take the tiled path, where the CPU has it
 
 
 def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -70,13 +75,24 @@ def test_quant_linear_matches_dequantized_reference(ops, fmt, dtype):
         dense = ops.quant_dequantize(packed.qweight, packed.meta, n, dtype)
         assert torch.equal(dense, w.to(dtype))
         bias = torch.randn(n) if i % 2 else None
-        for m in [*range(1, 10), 33, DENSE_MIN_ROWS, DENSE_MIN_ROWS + 1]:
+        tiled = dtype == torch.bfloat16 and "bf16_tiles" in ops.quant_linear_path()
+        for m in [*range(1, 10), TILED_MIN_ROWS, TILED_MIN_ROWS + 1, 33, DENSE_MIN_ROWS, DENSE_MIN_ROWS + 1, 130]:
             x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * (1 + 3 * (i % 3))).to(dtype)
             y = ops.quant_linear(x, packed.qweight, packed.meta, bias, n)
             assert y.dtype == dtype and y.shape == (m, n)
-            if m > DENSE_MIN_ROWS:  # the same oneDNN call the dense model makes
+            if tiled and m > TILED_MIN_ROWS:
+                # exact products of the bf16 values (those of `--quantization none`), float32 sums (K * 2^-24 of
+                # the sum of |products|, plus the bias's float32 add), and the output's rounding to bf16: half a
+                # unit in y's last place (bf16: 8 significant bits)
+                exact = x.double() @ dense.double().T + (0 if bias is None else bias.double())
+                sums = x.double().abs() @ dense.double().abs().T + (0 if bias is None else bias.double().abs())
+                half_ulp = torch.exp2(y.double().abs().log2().floor() - 8)
+                tol = (k + 1) * 2 ** -24 * sums + half_ulp
+                assert ((y.double() - exact).abs() <= tol).all(), (fmt, n, k, m)
+                continue
+            if m > DENSE_MIN_ROWS:  # the same call the dense model makes (oneDNN, or F.linear where it has none)
                 b = None if bias is None else bias.to(dtype)
-                assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, dense, b, "none", [], "")), (fmt, n, k, m)
+                assert torch.equal(y, linear(x, dense, b, packed=pack_weight(dense))), (fmt, n, k, m)
                 continue
             exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
             # int16 rounding of x (bounded per output), float32 accumulation (1e-6 of the largest output covers

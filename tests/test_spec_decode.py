@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import tokenmill.engine.runner as runner_module
-from conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.block_hash import hash_request_blocks
 from tokenmill.engine.request import Request
@@ -41,10 +40,13 @@ PASSAGES = [
 PROMPTS = [f"Repeat the following text exactly.\n\nText: {p}\n\nRepeated text:" for p in PASSAGES]
 MAX_TOKENS = 40
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
-# draft_model runs on the tiny pair (tiny_models); its "model" is filled in by setup_for
-METHODS = [pytest.param({"method": "ngram", "num_speculative_tokens": 4}, marks=pytest.mark.slow, id="ngram"),
-           pytest.param({"method": "suffix"}, marks=pytest.mark.slow, id="suffix"),
-           pytest.param({"method": "draft_model", "num_speculative_tokens": 4}, id="draft_model")]
+# draft_model runs on the tiny pair (tiny_models); its "model" is filled in by setup_for. Three requests decode at
+# once: max_verify_tokens 16 leaves drafts to each (the default, 4, would give them none).
+METHODS = [pytest.param({"method": "ngram", "num_speculative_tokens": 4, "max_verify_tokens": 16},
+                        marks=pytest.mark.slow, id="ngram"),
+           pytest.param({"method": "suffix", "max_verify_tokens": 16}, marks=pytest.mark.slow, id="suffix"),
+           pytest.param({"method": "draft_model", "num_speculative_tokens": 4, "max_verify_tokens": 16},
+                        id="draft_model")]
 
 _WEIGHTS: dict = {}
 
@@ -96,7 +98,7 @@ def build_tiny(out_dir, like=None, vocab: int = TINY_VOCAB, prefix: str = "t"):
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab,
                                       max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True,
-                                      bos_token_id=None, eos_token_id=None)  # no id is masked in hf_greedy
+                                      bos_token_id=None, eos_token_id=None)  # every id an ordinary token
     torch.manual_seed(0 if like is None else 1)
     model = transformers.LlamaForCausalLM(config).eval()
     if like is not None:
@@ -244,9 +246,9 @@ def test_seeded_sampling_equals_plain(config, request):
 def test_draft_model_kv_follows_the_accepted_tokens(tiny_setup, tiny_models):
     """The draft's cache is rolled back past rejected drafts, catches up on the tokens it has not seen, and is
     rebuilt after its blocks were taken back (preemption and eviction): each step's drafts (greedy)
-    are the draft's own greedy continuation of the request's tokens at that step (HF's generate on them)."""
+    are the draft's own greedy continuation of the request's tokens at that step (HF's model, teacher-forced)."""
     _, draft_dir, _, draft = tiny_models
-    config = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 4}
+    config = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 4, "max_verify_tokens": 16}
     llm = tiny_setup.make(speculative_config=config, max_num_batched_tokens=48,
                           num_gpu_blocks_override=tiny_setup.preemption_blocks)
     proposer, proposed = llm.engine.speculator.proposer, []
@@ -265,8 +267,10 @@ def test_draft_model_kv_follows_the_accepted_tokens(tiny_setup, tiny_models):
     assert llm.engine.stats()["num_preemptions"] > 0
     checked = [(context, drafts) for context, drafts in proposed if drafts]  # none: the draft cache was full
     assert len(checked) > len(proposed) // 2
-    for context, drafts in checked:
-        assert drafts == hf_greedy(draft, context, len(drafts))
+    with torch.inference_mode():  # greedy: each draft is the draft model's argmax after the ones before it
+        for context, drafts in checked:
+            logits = draft(torch.tensor([context + drafts[:-1]])).logits[0, len(context) - 1:]
+            assert logits.argmax(-1).tolist() == drafts
     assert not proposer.sequences and proposer.kv_cache.pool.num_free_blocks == tiny_setup.preemption_blocks
 
 

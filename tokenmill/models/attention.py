@@ -18,8 +18,9 @@ block tables stay shared by all layers, and the window is applied when reading.
 
 A layer's cache is (k_cache, v_cache, kv_scales): with --kv-cache-dtype fp8/int8 the caches hold one byte per
 element and kv_scales [2, kv_heads, head_dim] float32 says what a byte is worth (tokenmill/models/kv_quant.py); writes
-quantize, reads dequantize. While `calibrating` (the first forward pass, when the scales are computed), each
-layer sets its scales from its K and V before writing them."""
+quantize, reads of earlier steps' K/V dequantize, and the K/V a step computes (a prefill chunk's own, a decode's own
+token) are attended as computed, unquantized. While `calibrating` (the first forward pass, when the scales are
+computed), each layer sets its scales from its K and V before writing them."""
 from __future__ import annotations
 
 import logging
@@ -95,8 +96,6 @@ class TorchSDPABackend:
             if self.calibrating:
                 calibrate(kv_scales, k, v, k_cache.dtype)
             kq, vq = quantize(k, kv_scales[0], k_cache.dtype), quantize(v, kv_scales[1], k_cache.dtype)
-            # this step's own keys are read as stored, as the CPU kernel reads them
-            k, v = dequantize(kq, kv_scales[0], q.dtype), dequantize(vq, kv_scales[1], q.dtype)
             as_bytes(k_cache).view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, as_bytes(kq))
             as_bytes(v_cache).view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, as_bytes(vq))
         else:
@@ -136,8 +135,12 @@ class TorchSDPABackend:
         if d:
             flat_table, mask = self._decode_inputs(meta, k_cache.shape[1], window)
             kv_shape = (d, -1, k_cache.shape[2], k_cache.shape[3])
-            keys = self._gather(k_cache, flat_table, kv_scales[0], q.dtype).view(kv_shape).transpose(1, 2)
-            values = self._gather(v_cache, flat_table, kv_scales[1], q.dtype).view(kv_shape).transpose(1, 2)
+            keys = self._gather(k_cache, flat_table, kv_scales[0], q.dtype).view(kv_shape)
+            values = self._gather(v_cache, flat_table, kv_scales[1], q.dtype).view(kv_shape)
+            if is_one_byte(k_cache.dtype):  # each decode's own token from this step's K/V, not the cache
+                rows, newest = torch.arange(d, device=q.device), meta.seq_lens[:d].long() - 1
+                keys[rows, newest], values[rows, newest] = k[:d], v[:d]
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
             o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
             out[:d] = o.squeeze(2)
@@ -150,8 +153,11 @@ class TorchSDPABackend:
                 ks, vs, mask, causal = k[start:e].transpose(0, 1), v[start:e].transpose(0, 1), None, True
             else:
                 blocks = meta.block_tables[s, :-(-ctx // k_cache.shape[1])].long()
-                ks = self._gather(k_cache, blocks, kv_scales[0], q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)
-                vs = self._gather(v_cache, blocks, kv_scales[1], q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)
+                ks = self._gather(k_cache, blocks, kv_scales[0], q.dtype).flatten(0, 1)[:ctx]
+                vs = self._gather(v_cache, blocks, kv_scales[1], q.dtype).flatten(0, 1)[:ctx]
+                if is_one_byte(k_cache.dtype):  # the chunk's own keys from this step's K/V, not the cache
+                    ks[ctx - n:], vs[ctx - n:] = k[start:e], v[start:e]
+                ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
                 qpos = torch.arange(ctx - n, ctx, device=q.device)
                 kpos = torch.arange(ctx, device=q.device)
                 mask, causal = kpos[None, :] <= qpos[:, None], False
@@ -188,15 +194,21 @@ class CPUKernelBackend:
         if self.calibrating and is_one_byte(k_cache.dtype):  # once: K and V computed in torch for their amax
             _, k, v = rotated_qkv(layer, qkv, meta, rope)
             calibrate(kv_scales, k, v, k_cache.dtype)
-        q = torch.empty(qkv.shape[0], layer.num_heads, layer.head_dim, dtype=qkv.dtype)
+        tokens = qkv.shape[0]
+        q = torch.empty(tokens, layer.num_heads, layer.head_dim, dtype=qkv.dtype)
+        # one-byte cache: this step's own K (from rope_and_cache) and V (a view of qkv) are attended unquantized
+        k = v = None
+        if is_one_byte(k_cache.dtype):
+            k = torch.empty(tokens, layer.num_kv_heads, layer.head_dim, dtype=qkv.dtype)
+            v = qkv[:, layer.q_size + layer.kv_size:].view(tokens, layer.num_kv_heads, layer.head_dim)
         norm = layer.q_norm is not None
         rope = rope or meta.rope
         self.ops.rope_and_cache(qkv, meta.positions, rope.cos, rope.sin, k_cache, v_cache,
                                 meta.slot_mapping, q, layer.q_norm.weight if norm else None,
-                                layer.k_norm.weight if norm else None, layer.q_norm.eps if norm else 0.0, kv_scales)
+                                layer.k_norm.weight if norm else None, layer.q_norm.eps if norm else 0.0, kv_scales, k)
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, layer.scale, sliding_window or 0, kv_scales)
+                                 meta.query_start_loc, layer.scale, sliding_window or 0, kv_scales, k, v)
         return out
 
 

@@ -15,15 +15,18 @@ about what a decode row costs and earns less (a < 1), so batching beats speculat
 most max_verify_tokens tokens (decode rows + drafts); past that, drafts are cut evenly (each request at most
 max_verify_tokens // decode rows - 1), and at high concurrency none are proposed at all.
 
-DEFAULT_MAX_VERIFY_TOKENS is provisional: 16 rows is twice the small-M linear kernel's 8-row tile, where a bf16
-decode step had grown from 10.9 ms (1 row) to 20.5 ms (8 rows) on the 2-core Zen 4 EPYC (README). Its measurement,
-benchmarks/spec_decode_step_cost.py (step time by decode rows x drafts), ran only on a loaded machine, where it
-was noise; it is to be rerun quietly and the knee put here."""
+DEFAULT_MAX_VERIFY_TOKENS is that knee as measured by benchmarks/spec_decode_step_cost.py (the default model,
+Q4_1 weights kept, bf16, context 256, 2-core Zen 4 EPYC; indicative, on a shared machine): a step of 1, 2, 4, 8,
+16, 32 tokens took 5.3, 6.1, 8.3, 13.4, 23.0, 41.5 ms (an earlier run: 5.8, 8.3, 10.8, 16.0, 26.3, 47.8). A
+doubling of the tokens adds 16% and 35% up to 4 tokens, then 63%, 72%, 80%: from there a step costs about a fixed
+4.4 ms plus 1.1 ms a token, and a draft pays only if it is accepted with probability > 1.1 B / (4.4 + 1.1 B) at B
+decode rows (0.2 at 1 row, 0.5 at 4, 0.67 at 8). So 4: one request gets up to 3 drafts (there, 3 to 7 drafts
+give about the same tokens per second at acceptance 0.9), two get 1 each, three or more none."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_MAX_VERIFY_TOKENS = 16
+DEFAULT_MAX_VERIFY_TOKENS = 4
 MIN_POSITION_PROB = 0.3
 EMA_DECAY = 0.7  # weight of the past in the acceptance estimate, per speculative step
 PRIOR_ACCEPTED, PRIOR_SEEN = 1.0, 2.0  # a new request starts at a = 0.5, worth about two steps of evidence

@@ -188,6 +188,10 @@ inline typename Elem<T>::raw* raw_ptr(const at::Tensor& t) {
 // processed together, so each KV block is read once per item. The online softmax works a block at a time. A
 // decode with a long context in a small batch is split along the context (flash-decoding) so that every
 // thread has work, and the parts are merged at the end.
+//
+// With a one-byte cache (kv_quant.h) the caller also passes this step's own K and V as computed: the keys at
+// positions seq_lens[s] - q_len.. (a prefill chunk's, a decode's own token) are read from them, unquantized, and
+// only earlier steps' keys from the cache.
 // ---------------------------------------------------------------------------------------------------------
 struct WorkItem {
   int seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence, relative to its start
@@ -206,6 +210,11 @@ struct AttnShape {
   int window;  // sliding window in tokens; 0: every earlier key is visible
   tm_kv::KVFormat kv_format;  // how the caches store an element (kv_quant.h)
   const float* kv_scales;     // one-byte formats: [2][kv_heads][head_dim] (K, then V), else null
+  // This step's own K/V ([tokens][kv_heads][head_dim] rows, as the model's dtype holds them), or null: with a
+  // one-byte cache, the keys this step computed are read from here instead of their quantized copies.
+  const void* new_k;
+  const void* new_v;
+  int64_t new_k_stride, new_v_stride;  // elements between tokens
 };
 
 // A run of n cache elements from element `offset`, as float32 (one-byte formats: times `scale`).
@@ -281,9 +290,8 @@ inline void block_values(const float* p, const float* vf, float* acc, const floa
 
 template <typename T, int B>
 void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename Elem<T>::raw* out,
-                    const void* k_cache, const void* v_cache,
-                    const int32_t* block_table, int ctx_len, int q_len, const AttnShape& shape,
-                    float* partial_out, std::vector<float>& scratch) {
+                    const void* k_cache, const void* v_cache, const float* fresh, const int32_t* block_table,
+                    int ctx_len, int q_len, const AttnShape& shape, float* partial_out, std::vector<float>& scratch) {
   const int D = shape.head_dim, Hkv = shape.num_kv_heads, G = shape.num_heads / Hkv;
   const int tokens = w.q_end - w.q_begin, R = tokens * G;
   const int R4 = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
@@ -326,9 +334,26 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
     const int lo = std::max(start, w.kv_begin) - start;  // first key of the block this item covers
     const int n = std::min(B, kv_end - start);
     const int64_t base = (static_cast<int64_t>(block_table[start / B]) * Hkv + w.kv_head) * block_elems;
-    load_kv<T>(kt, k_cache, base, B * D, shape.kv_format, 1.0f);
-    load_kv<T>(vf + lo * D, v_cache, base + lo * D, (n - lo) * D, shape.kv_format, 1.0f);
-    block_scores<B>(qf, kt, p, R4, D);
+    // Keys [lo, cached) come from the cache; [cached, n) are this step's own, from the fresh blocks when given
+    // (fresh_blocks: the same layouts, in code units). A block of this step's keys only is read where it lies.
+    const int cached = fresh ? std::clamp(first_pos - start, lo, n) : n;
+    const float* fk = fresh ? fresh + (start / B - first_pos / B) * Hkv * 2 * block_elems + w.kv_head * 2 * block_elems
+                            : nullptr;  // this block's fresh K, then V
+    const float* kb = kt;
+    const float* vb = vf;
+    if (fresh && cached == lo) {
+      kb = fk;
+      vb = fk + block_elems;
+    } else {
+      load_kv<T>(kt, k_cache, base, B * D, shape.kv_format, 1.0f);
+      load_kv<T>(vf + lo * D, v_cache, base + lo * D, (cached - lo) * D, shape.kv_format, 1.0f);
+      if (cached < n) {
+        const size_t fresh_bytes = (n - cached) * sizeof(float);
+        for (int d = 0; d < D; ++d) std::memcpy(kt + d * B + cached, fk + d * B + cached, fresh_bytes);
+        std::memcpy(vf + cached * D, fk + block_elems + cached * D, fresh_bytes * D);
+      }
+    }
+    block_scores<B>(qf, kb, p, R4, D);
     for (int r = 0; r < R4; ++r) {
       float* pr = p + r * B;
       const int hi = r < R ? std::min(n, last[r] - start + 1) : lo;  // keys [lo_r, hi) are visible to row r
@@ -353,7 +378,7 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
       m[r] = bm;
       l[r] = l[r] * corr[r] + vreduce_add(sum);
     }
-    block_values(p, vf, acc, corr, R4, D, B, lo, n);
+    block_values(p, vb, acc, corr, R4, D, B, lo, n);
   }
   for (int t = 0; t < tokens; ++t) {
     for (int g = 0; g < G; ++g) {
@@ -371,6 +396,56 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
       store_row<T>(out + (w.q_begin + t) * q_row_stride + (w.kv_head * G + g) * D, acc + r * D, D);
     }
   }
+}
+
+// This step's own keys and values (shape.new_k, new_v), laid out as attention_item reads a block: per sequence,
+// the blocks that hold its new tokens, per block and KV head K [D][B] then V [B][D], float32 in the cache's
+// code units (divided by the scales that the codes' path folds into q and the output; 1 for a cache of the
+// model's dtype). Positions that are not this step's are left as they are: attention_item reads them from the
+// cache, or masks them. Built once per call, so that the query tiles that read a block share its
+// transposition; kept per thread, so that steps reuse the pages.
+template <typename T, int B>
+const float* fresh_blocks(const AttnShape& shape, const int32_t* lens, const int32_t* qsl, int num_seqs,
+                          std::vector<int64_t>& first_block) {
+  const int D = shape.head_dim, Hkv = shape.num_kv_heads;
+  const int64_t block_elems = static_cast<int64_t>(B) * D;
+  first_block.assign(num_seqs + 1, 0);
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = qsl[s + 1] - qsl[s], first_pos = lens[s] - q_len;
+    first_block[s + 1] = first_block[s] + (q_len > 0 ? (lens[s] - 1) / B - first_pos / B + 1 : 0);
+  }
+  static thread_local std::vector<float> buffer;
+  const int64_t entries = first_block[num_seqs] * Hkv;  // (block, KV head) pairs
+  if (static_cast<int64_t>(buffer.size()) < entries * 2 * block_elems) buffer.resize(entries * 2 * block_elems);
+  float* out = buffer.data();
+  const auto* new_k = static_cast<const typename Elem<T>::raw*>(shape.new_k);
+  const auto* new_v = static_cast<const typename Elem<T>::raw*>(shape.new_v);
+  at::parallel_for(0, entries, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D), inv_k(D), inv_v(D);
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t block = e / Hkv;
+      const int h = static_cast<int>(e % Hkv);
+      const int s = static_cast<int>(std::upper_bound(first_block.begin(), first_block.end(), block) -
+                                     first_block.begin()) - 1;
+      const int first_pos = lens[s] - (qsl[s + 1] - qsl[s]);
+      const int start = (first_pos / B + static_cast<int>(block - first_block[s])) * B;  // its first position
+      for (int d = 0; d < D; ++d) {
+        inv_k[d] = shape.kv_scales ? 1.0f / shape.kv_scales[h * D + d] : 1.0f;
+        inv_v[d] = shape.kv_scales ? 1.0f / shape.kv_scales[(Hkv + h) * D + d] : 1.0f;
+      }
+      float* kb = out + e * 2 * block_elems;  // [D][B]
+      float* vb = kb + block_elems;           // [B][D]
+      for (int j = std::max(0, first_pos - start); j < std::min(B, lens[s] - start); ++j) {
+        const int64_t token = qsl[s] + start + j - first_pos;
+        load_row<T>(row.data(), new_k + token * shape.new_k_stride + h * D, D);
+        for (int d = 0; d < D; ++d) kb[d * B + j] = row[d] * inv_k[d];
+        load_row<T>(vb + j * D, new_v + token * shape.new_v_stride + h * D, D);
+#pragma omp simd
+        for (int d = 0; d < D; ++d) vb[j * D + d] *= inv_v[d];
+      }
+    }
+  });
+  return out;
 }
 
 template <typename T, int B>
@@ -422,6 +497,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   auto* o = raw_ptr<T>(out);
   const void* kc = k_cache.data_ptr();
   const void* vc = v_cache.data_ptr();
+  const int64_t block_elems = static_cast<int64_t>(B) * D;
+  std::vector<int64_t> fresh_at;  // per sequence: its first fresh block in `fresh`
+  const float* fresh = shape.new_k ? fresh_blocks<T, B>(shape, lens, qsl, num_seqs, fresh_at) : nullptr;
   const int n_items = static_cast<int>(items.size());
   const int64_t row = static_cast<int64_t>(shape.num_heads) * D;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n_items > 1)
@@ -430,8 +508,10 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_items; ++i) {
       const WorkItem& w = items[i];
-      attention_item<T, B>(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, kc, vc, tables + w.seq * table_stride,
-                           lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], shape, partials.data(), scratch);
+      attention_item<T, B>(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, kc, vc,
+                           fresh ? fresh + fresh_at[w.seq] * shape.num_kv_heads * 2 * block_elems : nullptr,
+                           tables + w.seq * table_stride, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], shape,
+                           partials.data(), scratch);
     }
   }
   // Merge the parts of each split (sequence, head): rescale each part to the common max.
@@ -500,17 +580,38 @@ const float* kv_scales_ptr(const std::optional<at::Tensor>& kv_scales, tm_kv::KV
   return kv_scales->data_ptr<float>();
 }
 
+// This step's own K or V: [tokens, kv_heads, head_dim] in the query's dtype, heads and dims contiguous (rows may be
+// strided: V is a view of the qkv projection).
+void check_new_kv(const std::optional<at::Tensor>& x, const at::Tensor& query, const at::Tensor& k_cache,
+                  const char* name) {
+  if (!x.has_value()) return;
+  TORCH_CHECK(x->dim() == 3 && x->size(0) == query.size(0) && x->size(1) == k_cache.size(1) &&
+                  x->size(2) == query.size(2) && x->stride(2) == 1 && x->stride(1) == x->size(2) &&
+                  x->scalar_type() == query.scalar_type(),
+              "paged_attention: ", name, " is this step's [tokens, kv_heads, head_dim] in the query's dtype");
+}
+
+// key, value: this step's own K (after RoPE) and V, or none. Given, the attention reads the keys this step
+// computed from them rather than from the cache (with a one-byte cache: unquantized, as the prompt path of vLLM's
+// V0 attention backends attends a prompt's own keys; earlier steps' keys are read as stored). Both or neither.
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t window = 0,
-                     const std::optional<at::Tensor>& kv_scales = std::nullopt) {
+                     const std::optional<at::Tensor>& kv_scales = std::nullopt,
+                     const std::optional<at::Tensor>& key = std::nullopt,
+                     const std::optional<at::Tensor>& value = std::nullopt) {
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
   check_attention_args(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK(key.has_value() == value.has_value(), "paged_attention: key and value, or neither");
+  check_new_kv(key, query, k_cache, "key");
+  check_new_kv(value, query, k_cache, "value");
   const int64_t block_size = k_cache.size(3);
   const tm_kv::KVFormat fmt = kv_format(k_cache, query.scalar_type());
   const AttnShape shape{static_cast<int>(query.size(1)), static_cast<int>(k_cache.size(1)),
                         static_cast<int>(query.size(2)), static_cast<float>(scale), static_cast<int>(window), fmt,
-                        kv_scales_ptr(kv_scales, fmt, k_cache.size(1), k_cache.size(2))};
+                        kv_scales_ptr(kv_scales, fmt, k_cache.size(1), k_cache.size(2)),
+                        key ? key->data_ptr() : nullptr, value ? value->data_ptr() : nullptr,
+                        key ? key->stride(0) : 0, value ? value->stride(0) : 0};
   TM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
     switch (block_size) {
       case 16: return paged_attention_impl<scalar_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, shape);
@@ -525,7 +626,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 // ---------------------------------------------------------------------------------------------------------
 // RoPE (rotate-half layout) applied to q and k straight from the fused qkv projection, with the optional
 // per-head RMSNorm of q and k (Qwen3) before it; writes q to q_out and k, v into their KV-cache slots, in the
-// layout paged_attention reads.
+// layout paged_attention reads, and k to k_out too when given (paged_attention's `key`: this step's keys as the
+// model's dtype holds them, before a one-byte cache quantizes them).
 // cos and sin: float32 [max_positions, head_dim] (both halves repeated). A slot < 0 is not written.
 // ---------------------------------------------------------------------------------------------------------
 template <typename T>
@@ -552,7 +654,8 @@ template <typename T>
 void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                          const at::Tensor& slot_mapping, at::Tensor& q_out, const at::Tensor& q_norm,
-                         const at::Tensor& k_norm, double eps, tm_kv::KVFormat fmt, const float* kv_scales) {
+                         const at::Tensor& k_norm, double eps, tm_kv::KVFormat fmt, const float* kv_scales,
+                         typename Elem<T>::raw* k_out) {
   const int64_t T_ = qkv.size(0);
   const int Hq = q_out.size(1), D = q_out.size(2), Hkv = k_cache.size(1);
   const int64_t B = k_cache.size(3);
@@ -580,12 +683,14 @@ void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, con
         store_row<T>(qo + (t * Hq + h) * D, x.data(), D);
       }
       const int64_t slot = slots[t];
-      if (slot < 0) continue;
+      if (slot < 0 && k_out == nullptr) continue;
       const int64_t block = slot / B, offset = slot % B;
       for (int h = 0; h < Hkv; ++h) {
         load_row<T>(x.data(), row + (Hq + h) * D, D);
         head_rms_norm<T>(x.data(), k_norm, D, eps);
         rope_row<T>(x.data(), c, s, D);
+        if (k_out != nullptr) store_row<T>(k_out + (t * Hkv + h) * D, x.data(), D);
+        if (slot < 0) continue;
         const int64_t k_at = ((block * Hkv + h) * D) * B + offset;  // K transposed: stride B between dims
         const int64_t v_at = ((block * Hkv + h) * B + offset) * D;
         if (fmt != tm_kv::KVFormat::kNative) {  // K as the model's dtype would hold it, then quantized
@@ -611,8 +716,12 @@ void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, con
 void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, at::Tensor q_out,
                     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
-                    const std::optional<at::Tensor>& kv_scales = std::nullopt) {
+                    const std::optional<at::Tensor>& kv_scales = std::nullopt,
+                    const std::optional<at::Tensor>& k_out = std::nullopt) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv: [tokens, (heads + 2 kv_heads) * head_dim], rows contiguous");
+  TORCH_CHECK(!k_out.has_value() || (k_out->is_contiguous() && k_out->scalar_type() == qkv.scalar_type() &&
+                                     k_out->numel() == qkv.size(0) * k_cache.size(1) * q_out.size(2)),
+              "rope_and_cache: k_out is a contiguous [tokens, kv_heads, head_dim] in qkv's dtype");
   TORCH_CHECK(q_out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "outputs must be contiguous");
   TORCH_CHECK(qkv.size(1) == (q_out.size(1) + 2 * k_cache.size(1)) * q_out.size(2), "qkv width does not match heads");
   TORCH_CHECK(k_cache.size(2) == q_out.size(2) && v_cache.size(3) == q_out.size(2) && v_cache.size(2) == k_cache.size(3),
@@ -627,7 +736,7 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at
   const at::Tensor kn = k_norm.has_value() ? k_norm->contiguous() : at::Tensor();
   TM_DISPATCH(qkv.scalar_type(), "rope_and_cache", [&] {
     rope_and_cache_impl<scalar_t>(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, qn, kn, eps, fmt,
-                                  scales);
+                                  scales, k_out ? raw_ptr<scalar_t>(*k_out) : nullptr);
   });
 }
 
@@ -866,7 +975,8 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const s
 // model does not have, or a small-M layout this CPU has no kernel for. Batches of up to small_m_max_rows tokens
 // use the small-M kernel. A linear kept quantized passes (qweight uint8, meta) in its two slots instead and
 // always runs quant_linear (quant_linear.cpp). kv_scales: per layer, the KV cache's float32
-// [2, kv_heads, head_dim] scales (read only when the cache is one-byte: --kv-cache-dtype).
+// [2, kv_heads, head_dim] scales (read only when the cache is one-byte: --kv-cache-dtype; then the attention
+// also reads this step's own K and V as computed).
 // ---------------------------------------------------------------------------------------------------------
 constexpr int kWeightsPerLayer = 14;
 
@@ -916,6 +1026,10 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
   at::Tensor q = at::empty({tokens, num_heads, head_dim}, embeddings.options());
   at::Tensor attn = at::empty_like(q);
   at::Tensor act = at::empty({tokens, intermediate}, embeddings.options());
+  // a one-byte cache: the attention reads this step's own keys from here, not quantized (paged_attention)
+  const bool one_byte = kv_format(k_caches[0], embeddings.scalar_type()) != tm_kv::KVFormat::kNative;
+  std::optional<at::Tensor> new_k, new_v;
+  if (one_byte) new_k = at::empty({tokens, k_caches[0].size(1), head_dim}, embeddings.options());
   // With LoRA tokens in the step (tokenmill/lora/): per layer A^T and B^T of qkv, o, gate_up and down, the slots'
   // ranks of each of the four (empty: no adapter of the step targets it), and each request's rows and slot.
   TORCH_CHECK(lora_weights.empty() || (static_cast<int64_t>(lora_weights.size()) == layers * 8 &&
@@ -942,12 +1056,14 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
     {
       RECORD_FUNCTION("tokenmill::rope_and_cache", std::vector<c10::IValue>());
       rope_and_cache(qkv, positions, cos, sin, k_caches[l], v_caches[l], slot_mapping, q, present(w[3]),
-                     present(w[4]), eps, kv_scales[l]);
+                     present(w[4]), eps, kv_scales[l], new_k);
     }
+    if (one_byte)
+      new_v = qkv.narrow(1, (num_heads + kv_heads) * head_dim, kv_heads * head_dim).view({tokens, kv_heads, head_dim});
     {
       RECORD_FUNCTION("tokenmill::paged_attention", std::vector<c10::IValue>());
       paged_attention(attn, q, k_caches[l], v_caches[l], block_tables, seq_lens, query_start_loc, scale, 0,
-                      kv_scales[l]);
+                      kv_scales[l], new_k, new_v);
     }
     at::Tensor o = layer_linear(attn.view({tokens, num_heads * head_dim}), w[5], w[11], w[6], hidden, small_m_max_rows);
     lora(o, attn.view({tokens, num_heads * head_dim}), l, 1, {hidden});
@@ -973,10 +1089,11 @@ at::Tensor llama_forward(const at::Tensor& embeddings, at::TensorList layer_weig
 
 TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale, int window=0, Tensor? kv_scales=None) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int window=0, Tensor? kv_scales=None, "
+        "Tensor? key=None, Tensor? value=None) -> ()");
   m.def("rope_and_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor(c!) q_out, Tensor? q_norm, Tensor? k_norm, float eps, "
-        "Tensor? kv_scales=None) -> ()");
+        "Tensor? kv_scales=None, Tensor(d!)? k_out=None) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");

@@ -7,12 +7,13 @@
 // teacher-forced top-1 agreement of the Q4_1 model with the same file dequantized was 0.980, and int8 weights
 // against float32 0.957 (tests/test_quantization.py).
 //
-// Two paths, by the number of rows M:
-// - M <= kDenseMinRows (decode): integer dot products in registers. The activations are converted once per call
-//   to int16 per row and 32-wide K block, scale dx = amax / 32767 (a 1/65534 step: 2^-16 relative, finer than
-//   bf16's own 2^-9 rounding of the activations, so the result equals the dequantized model's up to float
-//   rounding). Each weight block (32 K, one output) has a scale d and an offset m, w = d q + m (Q4_0's
-//   w = d(q - 8) is stored as m = -8d; Q8_0 has m = 0), with q in 0..15 (4-bit) or -128..127 (8-bit):
+// Three paths, by the number of rows M:
+// - M <= kDenseMinRows (decode; bf16 on AVX512-BF16: M <= kTiledMinRows): integer dot products in registers.
+//   The activations are converted once per call to int16 per row and 32-wide K block, scale dx = amax / 32767
+//   (a 1/65534 step: 2^-16 relative, finer than bf16's own 2^-9 rounding of the activations, so the result
+//   equals the dequantized model's up to float rounding). Each weight block (32 K, one output) has a scale d and
+//   an offset m, w = d q + m (Q4_0's w = d(q - 8) is stored as m = -8d; Q8_0 has m = 0), with q in 0..15
+//   (4-bit) or -128..127 (8-bit):
 //     sum_k w_k x_k = dx (d * sum q xq + m * sum xq)
 //   The weight bytes are widened to int16 in registers (one byte shuffle per 2 K) and multiplied by
 //   AVX512-VNNI vpdpwssd (2 products per 32-bit lane), or vpmaddwd on AVX2. Sums fit int32: 32 * 128 * 32767.
@@ -20,6 +21,12 @@
 //   QuantizedTensor.dequantize and the GGUF loader compute it, then rounded to the activations' dtype: the very
 //   values `--quantization none` holds) into a transient buffer, in tiles of output rows, and multiplied by
 //   oneDNN. Prefill numerics then equal the dequantized model's; no dense copy stays resident.
+// - M > kTiledMinRows with bf16 activations on a CPU with AVX512-BF16 (the serving case): the same dequantized
+//   bf16 values, 32 outputs at a time into a buffer that stays in L1/L2 (as bf16 pairs along K, the layout
+//   vdpbf16ps takes), multiplied with every row in registers (12 rows x 32 outputs per block, float32 sums). No
+//   weight-sized buffer is written, faulted in and reordered by oneDNN on every call, and the dequantization,
+//   once per weight and call, is shared by all M rows: from 32 rows up this beats both the int16 kernel and
+//   dequantize + oneDNN, and matches oneDNN on a prepacked dense weight.
 //
 // Layout (tokenmill/models/quantization.py packs it at load): outputs in groups of 16; per group and K block,
 // the quants of 4 consecutive K of one output are one 32-bit lane, so one 64-byte vector holds 16 outputs x 4 K.
@@ -34,6 +41,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +65,12 @@ constexpr int kBlock = 32;  // K per quantization block
 // 5.60 / 4.97; o 576x576 0.25 / 0.29, 0.50 / 0.47, 2.00 / 1.63. At 1 row the int16 kernel takes 0.041 ms on
 // gate_up (4-bit) against 0.068 for oneDNN on the dense bf16 weight; at 8 rows 0.163 / 0.148; at 32 0.64 / 0.52.
 constexpr int64_t kDenseMinRows = 96;
+// bf16 activations on AVX512-BF16: above this many rows, the tiled path (dequantize 32 outputs into bf16 pairs,
+// vdpbf16ps over every row) replaces both. Measured as above (1 thread, bf16, ms, int16 / tiled / oneDNN bf16 on
+// a prepacked dense weight): gate_up 16 rows 0.320 / 0.367 / 0.273, 24 rows 0.478 / 0.490 / 0.396, 32 rows
+// 0.636 / 0.617 / 0.521, 48 rows 0.958 / 0.871 / 0.803, 128 rows 2.77 (dequantize + oneDNN) / 2.28 / 2.29;
+// qkv 24 rows 0.154 / 0.155, 32 rows 0.205 / 0.195, 512 rows 2.97 (dequantize + oneDNN) / 2.70 / 2.80.
+constexpr int64_t kTiledMinRows = 24;
 // Output rows dequantized at a time on the dense path: a tile of at most 4M elements (16 MB in float32) bounds
 // the transient buffer for the 49152-row lm_head while every other linear is one tile.
 constexpr int64_t kDenseTileElements = int64_t{1} << 22;
@@ -423,6 +437,163 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
   return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
 }
 
+// Whether oneDNN has an inner product for this dtype here (bf16 needs AVX-512; on AVX2 it refuses instead of
+// emulating), probed once as tokenmill/models/linear.py's onednn_linear_supported probes it for the dense model.
+bool onednn_linear_supported(at::ScalarType dtype) {
+  auto probe = [](at::ScalarType t) {
+    try {
+      onednn_linear(at::ones({2, 8}, at::TensorOptions().dtype(t)), at::ones({8, 8}, at::TensorOptions().dtype(t)),
+                    std::nullopt);
+      return true;
+    } catch (const std::exception&) {  // oneDNN's own error type, not a c10::Error
+      return false;
+    }
+  };
+  static const bool float32 = probe(at::kFloat), bfloat16 = probe(at::kBFloat16);
+  return dtype == at::kFloat ? float32 : dtype == at::kBFloat16 ? bfloat16 : false;
+}
+
+// The dense model's linear on the dequantized weight: oneDNN where it serves the dtype, else at::linear, as
+// the dense model falls back to F.linear.
+at::Tensor dense_model_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if (onednn_linear_supported(x.scalar_type())) return onednn_linear(x, weight, bias);
+  return at::linear(x, weight, bias);
+}
+
+// ---- large M, bf16 activations on AVX512-BF16: dequantize 32 outputs at a time into bf16 pairs, multiply in
+// registers ----
+
+#if defined(__AVX512F__)
+bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+constexpr int kTileOutputs = 2 * kGroup;  // two packed groups: two vectors of outputs
+constexpr int kTileRows = 12;             // rows per register block: 12 x 2 accumulators
+
+// Two vectors of 16 outputs' weights (float32) → bf16 pairs: lane i holds (lo_i, hi_i).
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) inline __m512i bf16_pairs(__m512 lo, __m512 hi,
+                                                                                       __m512i interleave) {
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // [lo_0..15, hi_0..15]
+}
+
+// One output group (16 outputs) of the packed weight, all K, as bf16 pairs along K: pairs[k2 * ld + i] holds
+// output i's weights K 2 k2 (low half) and 2 k2 + 1 (high half), the layout vdpbf16ps multiplies. The values are
+// dequantize_block's, rounded to bf16 as torch rounds (round to nearest even; no subnormal arises from d q + m).
+template <bool Q4>
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void dequantize_pairs(
+    const uint8_t* wg, const uint16_t* mg, int64_t nb, uint32_t* pairs, int64_t ld) {
+  const __m512i byte = _mm512_set1_epi32(0xFF), low4 = _mm512_set1_epi8(0x0F);
+  alignas(64) int16_t order[32];
+  for (int i = 0; i < 16; ++i) order[2 * i] = i, order[2 * i + 1] = 16 + i;
+  const __m512i interleave = _mm512_load_si512(order);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i* mb = reinterpret_cast<const __m256i*>(mg + b * 2 * kGroup);  // 16 d, then 16 m
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(mb)), m = _mm512_cvtph_ps(_mm256_loadu_si256(mb + 1));
+    // each 32-bit lane: the quants of K 4j..4j+3 of its output; two pairs of K
+    auto emit = [&](__m512i q4k, int j) {
+      __m512 w[4];
+      for (int c = 0; c < 4; ++c) {
+        __m512i q;
+        if constexpr (Q4) q = _mm512_and_si512(_mm512_srli_epi32(q4k, 8 * c), byte);
+        else q = _mm512_srai_epi32(_mm512_slli_epi32(q4k, 24 - 8 * c), 24);
+        w[c] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), m);
+      }
+      uint32_t* dst = pairs + (b * (kBlock / 2) + 2 * j) * ld;
+      _mm512_storeu_si512(dst, bf16_pairs(w[0], w[1], interleave));
+      _mm512_storeu_si512(dst + ld, bf16_pairs(w[2], w[3], interleave));
+    };
+    if constexpr (Q4) {
+      for (int j = 0; j < 4; ++j) {  // low nibbles: K 4j..4j+3; high nibbles: K 16+4j..16+4j+3
+        const __m512i v = _mm512_loadu_si512(wg + (b * 4 + j) * 64);
+        emit(_mm512_and_si512(v, low4), j);
+        emit(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), 4 + j);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) emit(_mm512_loadu_si512(wg + (b * 8 + j) * 64), j);
+    }
+  }
+}
+
+// R rows of bf16 x against 32 outputs in pairs ([K/2][32]): out [R][32] float32.
+template <int R>
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void tile_bf16(const uint16_t* x, int64_t x_stride,
+                                                                               const uint32_t* pairs, int64_t k2,
+                                                                               float* out) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k2; ++k) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pairs + k * kTileOutputs);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pairs + k * kTileOutputs + kGroup);
+    for (int r = 0; r < R; ++r) {
+      int32_t xp;
+      std::memcpy(&xp, x + r * x_stride + 2 * k, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * kTileOutputs, acc[r][0]);
+    _mm512_storeu_ps(out + r * kTileOutputs + kGroup, acc[r][1]);
+  }
+}
+
+using TileFn = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, float*);
+template <int... Rs>
+std::array<TileFn, kTileRows + 1> tile_table(std::integer_sequence<int, Rs...>) {
+  return {nullptr, &tile_bf16<Rs + 1>...};
+}
+
+at::Tensor bf16_tiled_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& meta,
+                             const std::optional<at::Tensor>& bias, int64_t out_features) {
+  static const auto tiles = tile_table(std::make_integer_sequence<int, kTileRows>());
+  const int64_t M = x.size(0), K = x.size(1), groups = qweight.size(0), nb = qweight.size(1), k2 = K / 2;
+  const bool q4 = qweight.size(2) == 4;
+  const int64_t group_bytes = nb * (q4 ? 4 : 8) * 64;
+  std::vector<float> b;
+  if (bias.has_value() && bias->numel() > 0) {
+    at::Tensor b32 = bias->to(at::kFloat).contiguous();
+    b.assign(b32.data_ptr<float>(), b32.data_ptr<float>() + out_features);
+  }
+  b.resize(groups * kGroup + kGroup, 0.0f);
+  at::Tensor y = at::empty({M, out_features}, x.options());
+  const uint8_t* wbase = qweight.data_ptr<uint8_t>();
+  const uint16_t* mbase = reinterpret_cast<const uint16_t*>(meta.data_ptr());
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  uint16_t* yb = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t x_stride = x.stride(0), num_tiles = (groups + 1) / 2;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> pairs(k2 * kTileOutputs);
+    float acc[kTileRows * kTileOutputs];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g0 = 2 * t, n0 = g0 * kGroup;
+      for (int h = 0; h < 2; ++h) {
+        if (g0 + h >= groups) {  // an odd last group: zero weights in the tile's second half
+          for (int64_t k = 0; k < k2; ++k) std::memset(pairs.data() + k * kTileOutputs + kGroup, 0, kGroup * 4);
+          continue;
+        }
+        if (q4) dequantize_pairs<true>(wbase + (g0 + h) * group_bytes, mbase + (g0 + h) * nb * 2 * kGroup, nb,
+                                       pairs.data() + h * kGroup, kTileOutputs);
+        else dequantize_pairs<false>(wbase + (g0 + h) * group_bytes, mbase + (g0 + h) * nb * 2 * kGroup, nb,
+                                     pairs.data() + h * kGroup, kTileOutputs);
+      }
+      const int n = static_cast<int>(std::min<int64_t>(kTileOutputs, out_features - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+        tiles[rows](xb + m0 * x_stride, x_stride, pairs.data(), k2, acc);
+        for (int r = 0; r < rows; ++r) {
+          uint16_t* yr = yb + (m0 + r) * out_features + n0;
+          for (int i = 0; i < n; ++i) yr[i] = float_to_bf16_bits(acc[r * kTileOutputs + i] + b[n0 + i]);
+        }
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& meta,
                         const std::optional<at::Tensor>& bias, int64_t out_features) {
   const int64_t K = x.size(1);
@@ -436,7 +607,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     dequantize_into(qweight, meta, n0, w);
     std::optional<at::Tensor> bt;
     if (b.has_value()) bt = b->narrow(0, n0, rows);
-    at::Tensor part = onednn_linear(x, w, bt);
+    at::Tensor part = dense_model_linear(x, w, bt);
     if (rows == out_features) return part;
     if (!y.defined()) y = at::empty({x.size(0), out_features}, x.options());
     y.narrow(1, n0, rows).copy_(part);
@@ -465,6 +636,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   check_packed(qweight, meta, x.size(1), out_features);
   TORCH_CHECK(!bias.has_value() || bias->numel() == 0 || bias->numel() == out_features,
               "quant_linear: bias of out_features");
+#if defined(__AVX512F__)
+  if (x.size(0) > kTiledMinRows && x.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16())
+    return bf16_tiled_linear(x.contiguous(), qweight, meta, bias, out_features);
+#endif
   if (x.size(0) > kDenseMinRows) return dense_linear(x.contiguous(), qweight, meta, bias, out_features);
   return int16_linear(x, qweight, meta, bias, out_features, qweight.size(2) == 4);
 }
@@ -481,8 +656,13 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& meta, i
   return w;
 }
 
+// The small-M kernel's instructions, and whether bf16 batches above kTiledMinRows take the tiled path.
 std::string quant_linear_path() {
-  return cpu_has_vnni() ? "avx512_vnni" : "avx2";
+  std::string path = cpu_has_vnni() ? "avx512_vnni" : "avx2";
+#if defined(__AVX512F__)
+  if (cpu_has_avx512_bf16()) path += "+bf16_tiles";
+#endif
+  return path;
 }
 }  // namespace
 
