@@ -207,3 +207,30 @@ def test_kept_quantized_greedy_matches_llamacpp(engines):
     # activations, f16 KV cache) fork these continuations at near-ties. What holds: every continuation agrees
     # for its first 4 tokens, and one in full.
     assert first.count(stored["new_tokens"]) >= 1 and min(first) >= 4
+
+
+@pytest.mark.slow
+def test_llamacpp_choices_are_near_ties_teacher_forced(engines):
+    """Where the greedy runs above fork, it is at near-ties: fed llama.cpp's own continuation, the kept-quantized
+    path ranks llama.cpp's token first, or within a small logit gap of its first. Emulating llama.cpp's numerics
+    in torch (int8 activations with Q8_1's fp16 sums, f16 KV, Q and probabilities, ggml's rope, norm and exp)
+    moved these forks but reached only 2 to 4 of 8 full matches, scattered by sub-ulp choices
+    (benchmarks/results/quantization/llamacpp-numerics/); the gap is the measure that does not depend on them."""
+    from tokenmill import SamplingParams
+    if not os.path.exists(LLAMACPP):
+        pytest.skip("no stored llama.cpp ids: run tests/data/make_llamacpp_greedy.py (its docstring says how)")
+    with open(LLAMACPP) as f:
+        cases = json.load(f)["cases"]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    gaps = {}
+    for name in ("auto_bf16", "auto", "none"):
+        outs = engines[name].generate([c["prompt_ids"] + c["output_ids"] for c in cases], params, use_tqdm=False)
+        gaps[name] = [[e.top_logprobs[0] - e.logprob for e in o.prompt_logprobs[len(c["prompt_ids"]):]]
+                      for o, c in zip(outs, cases)]
+    for name, per_case in gaps.items():
+        flat = [g for case in per_case for g in case]
+        print(f"\n{name}: llama.cpp's token ranked first at {sum(g <= 0 for g in flat)} of {len(flat)} positions; "
+              f"largest gap {max(flat):.3f} (per prompt {[round(max(case), 3) for case in per_case]})")
+    # Measured (Zen 5): llama.cpp's token first at 250 of 256 positions in bf16 (largest gap 0.250), 248 in float32
+    # kept quantized (0.219) and dequantized (0.220; the torch emulation finds 0.22 too)
+    assert all(g < 0.5 for per_case in gaps.values() for case in per_case for g in case)
