@@ -7,18 +7,20 @@
 # requests whose predicted cached tokens equal the usage's cached_tokens (tokenmill_router:cache_predictions_total).
 #
 # Usage: benchmarks/router_cache_aware.sh [OUT]   (default benchmarks/results/router/cache-aware)
-# Knobs (env): THREADS per replica (1), NUM_PROMPTS (96), CONCURRENCY (8), PREFIX_GROUPS (6), PREFIX_LEN (512),
+# Knobs (env): THREADS per replica (1), NUM_PROMPTS (96), CONCURRENCY (8), PREFIX_GROUPS (32), PREFIX_LEN (512),
 #   INPUT_LEN (64), OUTPUT_LEN (32), SESSIONS (24), TURNS (4), KV_MEMORY (1GiB), DTYPE (auto), MAX_MODEL_LEN (4096),
-#   DATASETS ("prefix multiturn"), SETUPS ("kv round_robin single").
+#   DATASETS ("prefix multiturn"), SETUPS ("kv round_robin single"), ROUTER_ARGS (more `tokenmill router` flags).
+# The prefix dataset interleaves its groups (request i is of group i mod G): with G a multiple of the 3 replicas,
+# round-robin sends every request of a group to the same replica, by arithmetic; 32 groups of 3 requests do not.
 # A tiny check: NUM_PROMPTS=6 SESSIONS=2 TURNS=2 PREFIX_GROUPS=2 PREFIX_LEN=64 INPUT_LEN=16 OUTPUT_LEN=4 CONCURRENCY=2 \
 #   DTYPE=float32 KV_MEMORY=128MiB MAX_MODEL_LEN=1024 SETUPS="kv single" benchmarks/router_cache_aware.sh /tmp/rca
 set -euo pipefail
 OUT=${1:-benchmarks/results/router/cache-aware}
 PY=${PY:-.venv/bin}
 THREADS=${THREADS:-1}; NUM_PROMPTS=${NUM_PROMPTS:-96}; CONCURRENCY=${CONCURRENCY:-8}
-PREFIX_GROUPS=${PREFIX_GROUPS:-6}; PREFIX_LEN=${PREFIX_LEN:-512}; INPUT_LEN=${INPUT_LEN:-64}; OUTPUT_LEN=${OUTPUT_LEN:-32}
+PREFIX_GROUPS=${PREFIX_GROUPS:-32}; PREFIX_LEN=${PREFIX_LEN:-512}; INPUT_LEN=${INPUT_LEN:-64}; OUTPUT_LEN=${OUTPUT_LEN:-32}
 SESSIONS=${SESSIONS:-24}; TURNS=${TURNS:-4}; KV_MEMORY=${KV_MEMORY:-1GiB}; DTYPE=${DTYPE:-auto}
-MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}; ROUTER_ARGS=${ROUTER_ARGS:-}
 DATASETS=${DATASETS:-prefix multiturn}; SETUPS=${SETUPS:-kv round_robin single}
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
@@ -44,7 +46,7 @@ start_replicas() {  # $1: how many
 }
 
 start_router() {  # $1: policy
-  $PY/tokenmill router --port 8200 --policy "$1" \
+  $PY/tokenmill router --port 8200 --policy "$1" $ROUTER_ARGS \
     --backend http://127.0.0.1:8201 http://127.0.0.1:8202 http://127.0.0.1:8203 \
     --kv-events-endpoint tcp://127.0.0.1:5621 tcp://127.0.0.1:5622 tcp://127.0.0.1:5623 \
     --kv-events-replay-endpoint tcp://127.0.0.1:5631 tcp://127.0.0.1:5632 tcp://127.0.0.1:5633 \

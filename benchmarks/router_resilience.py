@@ -6,7 +6,8 @@ in bfloat16 can change with the batch it was computed in (other rows, prefix hit
 paths), and a resumed stream is recomputed in another batch on another replica.
 
 1. tenants: a quiet tenant sends one streamed chat request after another (after a warm-up pass, its TTFT p95
-   alone first), then the same while a flooding tenant (its own low RPM) hammers the router from 8 clients: the
+   alone first), then the same while a flooding tenant (its own low RPM, one request in flight at most) hammers
+   the router from 8 clients: the
    flood gets 429s, every quiet request succeeds, and the quiet TTFT p95 is compared with its solo figure (the
    line: under 1.5x).
 2. faults: 32 greedy streamed chat requests at c=16, once fault-free (the reference texts) and once with
@@ -314,7 +315,7 @@ def main() -> None:
         tenants = os.path.join(args.out, "tenants.json")
         with open(tenants, "w") as f:
             json.dump({"key-quiet": {"tenant": "quiet", "rpm": 600},
-                       "key-flood": {"tenant": "flood", "rpm": 20}}, f)
+                       "key-flood": {"tenant": "flood", "rpm": 20, "max_parallel_requests": 1}}, f)
         port = free_port()
         router = f"http://127.0.0.1:{port}"
         cmd = [os.path.join(os.path.dirname(sys.executable), "tokenmill"), "router", "--port", str(port),

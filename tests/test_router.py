@@ -223,6 +223,15 @@ def test_token_buckets_refill_and_a_tenant_meets_its_own_limits():
     tenant = Tenant(TenantSpec("t", tpm=100))
     assert tenant.admit(80) is None
     assert tenant.admit(30)[0] == "tpm"
+    # max_parallel_requests counts requests in flight: a place comes back when one ends
+    tenant = Tenant(TenantSpec("t", rpm=100, max_parallel_requests=2))
+    assert tenant.admit(10) is None and tenant.admit(10) is None
+    assert tenant.refusal_before_tokenizing()[0] == "max_parallel_requests" and tenant.admit(10)[0] == "max_parallel_requests"
+    tenant.release()
+    assert tenant.refusal_before_tokenizing() is None and tenant.admit(10) is None
+    # a request refused by its RPM is refused before the router tokenizes it
+    tenant = Tenant(TenantSpec("t", rpm=1))
+    assert tenant.admit(10) is None and tenant.refusal_before_tokenizing()[0] == "rpm"
 
 
 def test_admission_queue_bounds_waiters_and_times_them_out():
@@ -473,7 +482,7 @@ def test_a_stream_resumed_from_its_token_ids_reads_as_a_fault_free_one(replicas_
 
 def test_tenants_a_flooding_tenant_gets_429s_while_a_quiet_one_is_served(replicas_server, tmp_path):
     keys = {"key-flood": {"tenant": "flood", "rpm": 4}, "key-quiet": {"tenant": "quiet", "rpm": 600},
-            "key-tokens": {"tenant": "tokens", "tpm": 60}}
+            "key-tokens": {"tenant": "tokens", "tpm": 60}, "key-one": {"tenant": "one", "max_parallel_requests": 1}}
     (tmp_path / "tenants.json").write_text(json.dumps(keys))
     router = RouterProcess([*_router_args(replicas_server, "round_robin"),
                             "--tenants-config", str(tmp_path / "tenants.json")])
@@ -501,6 +510,12 @@ def test_tenants_a_flooding_tenant_gets_429s_while_a_quiet_one_is_served(replica
         long = "Tell me about the sea and its many moods. " * 4
         assert ask("key-tokens", long, max_tokens=4).status_code == 200
         assert ask("key-tokens", long).status_code == 429
+        # one request in flight at a time: of two sent together, the second is refused while the first streams
+        with ThreadPoolExecutor(2) as pool:
+            pair = [pool.submit(ask, "key-one", "Count to fifty.", 64) for _ in range(2)]
+            codes = sorted(f.result().status_code for f in pair)
+        assert codes == [200, 429], codes
+        assert ask("key-one").status_code == 200  # its place came back when the first ended
         assert _metric(router, "tokenmill_router:rejections_total", tenant="flood", reason="rpm") \
             == statuses.count(429)
         assert _metric(router, "tokenmill_router:rejections_total", tenant="tokens", reason="tpm") == 1

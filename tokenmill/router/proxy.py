@@ -112,6 +112,7 @@ class Exchange:
                 outcome = "exact" if cached == self.predicted else ("over" if self.predicted > cached else "under")
                 state.metrics.cache_predictions.labels(outcome).inc()
             if self.tenant is not None:
+                self.tenant.release()
                 if self.stream is not None:
                     self.tenant.charge(len(self.stream.generated))
                 elif usage is not None:
@@ -152,6 +153,8 @@ async def forward(state: RouterState, request: Request, path: str, route: str) -
             state.metrics.request_finished()
             return error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                                   "authentication_error")
+    if tenant is not None and (refused := tenant.refusal_before_tokenizing()) is not None:
+        return _tenant_refused(state, tenant, *refused)
     raw = await request.body()
     try:
         body = json.loads(raw)
@@ -160,17 +163,12 @@ async def forward(state: RouterState, request: Request, path: str, route: str) -
         body = None  # forwarded as is: the replica answers 400
     route_request = await asyncio.to_thread(_route_request, state, route, body, request.headers.get("x-session-id"))
     if tenant is not None and (refused := tenant.admit(route_request.num_prompt_tokens)) is not None:
-        limit, wait = refused
-        state.metrics.rejections.labels(tenant.name, limit).inc()
-        state.metrics.request_finished()
-        what = "requests" if limit == "rpm" else "tokens"
-        response = error_response(429, f"tenant {tenant.name!r} is over its {what}-per-minute limit; retry in "
-                                       f"{wait:.1f} s", "rate_limit_error")
-        response.headers["Retry-After"] = retry_after_header(wait)
-        return response
+        return _tenant_refused(state, tenant, *refused)
     try:
         await state.admission.acquire()
     except Rejected as e:
+        if tenant is not None:
+            tenant.release()
         state.metrics.rejections.labels(tenant.name if tenant else "", e.reason).inc()
         state.metrics.request_finished()
         response = error_response(503, str(e), e.reason)
@@ -190,6 +188,20 @@ async def forward(state: RouterState, request: Request, path: str, route: str) -
     exchange.status = response.status_code
     if not isinstance(response, RelayResponse):
         await exchange.close()
+    return response
+
+
+def _tenant_refused(state: RouterState, tenant: Tenant, limit: str, wait: float) -> Response:
+    """429 with Retry-After, counted by tenant and limit."""
+    state.metrics.rejections.labels(tenant.name, limit).inc()
+    state.metrics.request_finished()
+    if limit == "max_parallel_requests":
+        message = f"tenant {tenant.name!r} has {tenant.in_flight} requests in flight, its max_parallel_requests"
+    else:
+        what = "requests" if limit == "rpm" else "tokens"
+        message = f"tenant {tenant.name!r} is over its {what}-per-minute limit; retry in {wait:.1f} s"
+    response = error_response(429, message, "rate_limit_error")
+    response.headers["Retry-After"] = retry_after_header(wait)
     return response
 
 

@@ -32,7 +32,11 @@ class RouterConfig(CliConfig):
     chat_template: str | None = field(default=None, metadata={
         "help": "the replicas' --chat-template, if they were given one (a file, a shipped name, or the text)"})
     block_size: int = field(default=16, metadata={"help": "the replicas' --block-size"})
-    load_tokens_per_request: int = field(default=256, metadata={
+    # 64: on benchmarks/router_cache_aware.sh's multiturn run (3 replicas, c=8, 64-token turns), 256 sent a
+    # conversation away from its cached history whenever its replica had one or two more requests in flight (fleet
+    # hit rate 0.43 against a single replica's 0.63); 64 gave 0.61 with the requests still spread 34/31/34%, and 0
+    # (cache alone) 0.63 with 38/38/25%.
+    load_tokens_per_request: int = field(default=64, metadata={
         "help": "--policy kv: each in-flight request on a replica costs as many prompt tokens as this, against "
                 "the tokens a cache hit saves (0: route on cache hits alone)"})
     session_load_factor: float = field(default=1.25, metadata={

@@ -26,17 +26,18 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True):
     tenant: str
     rpm: float | None = None  # None: no limit
     tpm: float | None = None
+    max_parallel_requests: int | None = None  # LiteLLM's name: the tenant's requests in flight at once
 
 
 def load_tenants(path: str) -> dict[str, TenantSpec]:
-    """The --tenants-config file: JSON, API key → {"tenant": name, "rpm": N, "tpm": N}."""
+    """The --tenants-config file: JSON, API key → {"tenant": name, "rpm": N, "tpm": N, "max_parallel_requests": N}."""
     with open(path, "rb") as f:
         try:
             specs = msgspec.json.decode(f.read(), type=dict[str, TenantSpec])
         except msgspec.ValidationError as e:
             raise ValueError(f"--tenants-config {path}: {e}") from None
     for key, spec in specs.items():
-        for name in ("rpm", "tpm"):
+        for name in ("rpm", "tpm", "max_parallel_requests"):
             value = getattr(spec, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--tenants-config {path}: {name} of key ...{key[-4:]} must be positive")
@@ -74,19 +75,35 @@ class Tenant:
         self.name = spec.tenant
         self.requests = TokenBucket(spec.rpm) if spec.rpm else None
         self.tokens = TokenBucket(spec.tpm) if spec.tpm else None
+        self.max_parallel = spec.max_parallel_requests
+        self.in_flight = 0
+
+    def refusal_before_tokenizing(self) -> tuple[str, float] | None:
+        """The limits that need no token count (requests per minute, requests in flight), checked before the
+        router spends CPU on the prompt: a flood refused here costs the router almost nothing."""
+        if self.max_parallel is not None and self.in_flight >= self.max_parallel:
+            return "max_parallel_requests", 1.0
+        if self.requests is not None and (wait := self.requests.wait_for(1, time.monotonic())) > 0:
+            return "rpm", wait
+        return None
 
     def admit(self, prompt_tokens: int) -> tuple[str, float] | None:
-        """Takes the request's share, or returns (the limit it hit, seconds until it would not)."""
+        """Takes the request's share and a place in flight (give it back with release()), or returns (the
+        limit it hit, seconds until it would not)."""
         now = time.monotonic()
-        if self.requests is not None and (wait := self.requests.wait_for(1, now)) > 0:
-            return "rpm", wait
+        if (refused := self.refusal_before_tokenizing()) is not None:
+            return refused
         if self.tokens is not None and (wait := self.tokens.wait_for(prompt_tokens, now)) > 0:
             return "tpm", wait
         if self.requests is not None:
             self.requests.take(1, now)
         if self.tokens is not None:
             self.tokens.take(prompt_tokens, now)
+        self.in_flight += 1
         return None
+
+    def release(self) -> None:
+        self.in_flight -= 1
 
     def charge(self, completion_tokens: int) -> None:
         if self.tokens is not None and completion_tokens:
