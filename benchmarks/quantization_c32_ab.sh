@@ -2,7 +2,7 @@
 # c=32 throughput, bf16 dense (--quantization none) against the Q4_1 GGUF kept quantized (--quantization auto), one
 # server at a time, alternating for three rounds so that the ratio of each round is taken under the same conditions
 # (this machine varies by several percent from run to run). Usage: benchmarks/quantization_c32_ab.sh [OUT_DIR]
-cd /work/main
+cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/quantization/c32-tiled}
 mkdir -p "$OUT"; lscpu > "$OUT/lscpu.txt"
 PORT=8051; URL="http://127.0.0.1:$PORT"
