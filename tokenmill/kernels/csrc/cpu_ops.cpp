@@ -420,8 +420,11 @@ const float* fresh_blocks(const AttnShape& shape, const int32_t* lens, const int
   float* out = buffer.data();
   const auto* new_k = static_cast<const typename Elem<T>::raw*>(shape.new_k);
   const auto* new_v = static_cast<const typename Elem<T>::raw*>(shape.new_v);
+  std::vector<float> inv(2 * Hkv * D, 1.0f);  // [K, V][kv_heads][head_dim]: 1 / scale, once per call
+  if (shape.kv_scales)
+    for (size_t i = 0; i < inv.size(); ++i) inv[i] = 1.0f / shape.kv_scales[i];
   at::parallel_for(0, entries, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(D), inv_k(D), inv_v(D);
+    std::vector<float> row(D);
     for (int64_t e = begin; e < end; ++e) {
       const int64_t block = e / Hkv;
       const int h = static_cast<int>(e % Hkv);
@@ -429,10 +432,8 @@ const float* fresh_blocks(const AttnShape& shape, const int32_t* lens, const int
                                      first_block.begin()) - 1;
       const int first_pos = lens[s] - (qsl[s + 1] - qsl[s]);
       const int start = (first_pos / B + static_cast<int>(block - first_block[s])) * B;  // its first position
-      for (int d = 0; d < D; ++d) {
-        inv_k[d] = shape.kv_scales ? 1.0f / shape.kv_scales[h * D + d] : 1.0f;
-        inv_v[d] = shape.kv_scales ? 1.0f / shape.kv_scales[(Hkv + h) * D + d] : 1.0f;
-      }
+      const float* inv_k = inv.data() + h * D;
+      const float* inv_v = inv.data() + (Hkv + h) * D;
       float* kb = out + e * 2 * block_elems;  // [D][B]
       float* vb = kb + block_elems;           // [B][D]
       for (int j = std::max(0, first_pos - start); j < std::min(B, lens[s] - start); ++j) {
