@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # c=32 throughput of server configurations side by side: one `tokenmill serve` at a time, each configuration in turn,
 # for ROUNDS rounds, so that every round's ratios are taken under the same conditions (this machine varies by
-# several percent from run to run: one run per configuration cannot decide a 3% line). Random prompts, ISL 256 /
+# several percent from run to run: one run per configuration cannot decide a 3% line). The order rotates by one
+# each round (round 2 starts with the second configuration, ...): this machine also drifts within a round, which
+# a fixed order would charge to whichever configuration always runs last. Random prompts, ISL 256 /
 # OSL 128, --ignore-eos, 128 prompts at c=32. The first configuration is the reference: prints each one's output
 # tok/s per round, its ratio to the reference and the median ratio. The vllm:spec_decode counters are kept too.
 # Usage: benchmarks/alternating_c32.sh OUT_DIR NAME='serve flags' [NAME='serve flags' ...]    (ROUNDS=3)
@@ -17,7 +19,8 @@ ROUNDS=${ROUNDS:-3}; PORT=${PORT:-8051}; URL="http://127.0.0.1:$PORT"
 NAMES=("${@%%=*}"); FLAGS=("${@#*=}")
 mkdir -p "$OUT"; lscpu > "$OUT/lscpu.txt"
 for round in $(seq 1 "$ROUNDS"); do
-  for i in "${!NAMES[@]}"; do
+  for j in "${!NAMES[@]}"; do
+    i=$(( (j + round - 1) % ${#NAMES[@]} ))
     name=${NAMES[$i]}
     read -r -a flags <<< "${FLAGS[$i]}"
     .venv/bin/tokenmill serve --port "$PORT" --max-model-len 2048 --uvicorn-log-level warning "${flags[@]}" > "$OUT/$name.log" 2>&1 &

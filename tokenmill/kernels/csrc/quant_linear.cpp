@@ -498,7 +498,8 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void dequantize_
         __m512i q;
         if constexpr (Q4) q = _mm512_and_si512(_mm512_srli_epi32(q4k, 8 * c), byte);
         else q = _mm512_srai_epi32(_mm512_slli_epi32(q4k, 24 - 8 * c), 24);
-        w[c] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), m);
+        // one rounding, as mul then add: d (fp16, 11 bits) times q (<= 8 bits) is exact in float32
+        w[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m);
       }
       uint32_t* dst = pairs + (b * (kBlock / 2) + 2 * j) * ld;
       _mm512_storeu_si512(dst, bf16_pairs(w[0], w[1], interleave));
@@ -537,6 +538,22 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void tile_bf16(c
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(out + r * kTileOutputs, acc[r][0]);
     _mm512_storeu_ps(out + r * kTileOutputs + kGroup, acc[r][1]);
+  }
+}
+
+// out [rows][32] float32 sums + bias → y rows (bf16, stride ld), n <= 32 outputs valid. vcvtneps2bf16 rounds to
+// nearest even as torch does (it treats subnormal float32 as zero, which a linear's output never is in practice).
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void store_tile(const float* acc, int rows, int n,
+                                                                                const float* bias, uint16_t* y,
+                                                                                int64_t ld) {
+  const __mmask16 m0 = n >= kGroup ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 m1 = n >= kTileOutputs ? 0xFFFF : n <= kGroup ? 0 : static_cast<__mmask16>((1u << (n - kGroup)) - 1);
+  const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + kGroup);
+  for (int r = 0; r < rows; ++r) {
+    const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc + r * kTileOutputs), b0);
+    const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc + r * kTileOutputs + kGroup), b1);
+    _mm256_mask_storeu_epi16(y + r * ld, m0, (__m256i)_mm512_cvtneps_pbh(v0));
+    _mm256_mask_storeu_epi16(y + r * ld + kGroup, m1, (__m256i)_mm512_cvtneps_pbh(v1));
   }
 }
 
@@ -583,10 +600,7 @@ at::Tensor bf16_tiled_linear(const at::Tensor& x, const at::Tensor& qweight, con
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
         tiles[rows](xb + m0 * x_stride, x_stride, pairs.data(), k2, acc);
-        for (int r = 0; r < rows; ++r) {
-          uint16_t* yr = yb + (m0 + r) * out_features + n0;
-          for (int i = 0; i < n; ++i) yr[i] = float_to_bf16_bits(acc[r * kTileOutputs + i] + b[n0 + i]);
-        }
+        store_tile(acc, rows, n, b.data() + n0, yb + m0 * out_features + n0, out_features);
       }
     }
   });
