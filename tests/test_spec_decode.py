@@ -441,6 +441,16 @@ def test_adaptive_draft_length():
         estimate.update(4, 0)
     lengths = [adaptive.draft_length(estimate, 6) for _ in range(adaptive.PROBE_INTERVAL)]
     assert lengths == [0] * (adaptive.PROBE_INTERVAL - 1) + [1]  # off, then re-measured with one draft
+    for interval in (2 * adaptive.PROBE_INTERVAL, 4 * adaptive.PROBE_INTERVAL):  # each rejected probe: twice as long
+        estimate.update(1, 0)
+        lengths = [adaptive.draft_length(estimate, 6) for _ in range(interval)]
+        assert lengths == [0] * (interval - 1) + [1]
+    newcomer = estimate.for_new_request()  # a new request inherits the low rate and the interval: no first draft
+    assert newcomer.rate == pytest.approx(estimate.rate) and newcomer.probe_interval == 4 * adaptive.PROBE_INTERVAL
+    assert adaptive.draft_length(newcomer, 6) == 0
+    estimate.update(1, 1)  # an accepted probe: probing as often as at first
+    assert estimate.probe_interval == adaptive.PROBE_INTERVAL
+    assert adaptive.AcceptanceEstimate().for_new_request().rate == pytest.approx(0.5)  # nothing measured yet
     assert adaptive.per_request_cap(1, 16) == 15 and adaptive.per_request_cap(8, 16) == 1
     assert adaptive.per_request_cap(16, 16) == 0
 

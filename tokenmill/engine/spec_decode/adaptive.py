@@ -6,8 +6,16 @@ history, an exponential moving average of (accepted drafts) / (drafts looked at)
 of k drafts looked at n + 1 of them if one was rejected, n if all were accepted (the maximum-likelihood estimate
 of a geometric run). The request gets the largest k with a^k >= MIN_POSITION_PROB (capped by
 num_speculative_tokens): a draft that will probably be thrown away costs a row of compute for nothing. A request
-whose estimate falls so low that it gets none is re-measured with one draft every PROBE_INTERVAL steps (text
-changes: a copy may start later in the answer).
+whose estimate falls so low that it gets none is re-measured with one draft after PROBE_INTERVAL steps (text
+changes: a copy may start later in the answer), and after twice as many each time a probe is rejected (up to
+MAX_PROBE_INTERVAL), back to PROBE_INTERVAL once one is accepted: a probe is not free, least of all for a draft
+model, which must first run the tokens it has not seen (the whole prompt on a request's first draft: a third of
+the target's prefill for a draft of a third of its layers).
+
+Across requests: a new request starts from the method's recent acceptance (the same estimate, over every
+request's verifications) and its current probe interval, not from a fixed prior: where drafts have been rejected
+for a while (a draft model that does not fit the traffic), a new request does not pay for a first draft, only
+for a probe once the interval has passed.
 
 Per batch: a step's cost is flat in its number of tokens while it is bound by reading the weights, and grows in
 proportion once it is bound by compute. Below that knee drafts are nearly free; above it every draft costs
@@ -31,6 +39,7 @@ MIN_POSITION_PROB = 0.3
 EMA_DECAY = 0.7  # weight of the past in the acceptance estimate, per speculative step
 PRIOR_ACCEPTED, PRIOR_SEEN = 1.0, 2.0  # a new request starts at a = 0.5, worth about two steps of evidence
 PROBE_INTERVAL = 8
+MAX_PROBE_INTERVAL = 256
 
 
 @dataclass
@@ -38,6 +47,8 @@ class AcceptanceEstimate:
     accepted: float = PRIOR_ACCEPTED
     seen: float = PRIOR_SEEN
     steps_without_drafts: int = 0
+    probe_interval: int = PROBE_INTERVAL
+    probing: bool = False  # the drafts being verified are a probe
 
     @property
     def rate(self) -> float:
@@ -47,6 +58,15 @@ class AcceptanceEstimate:
         looked_at = num_accepted + (1 if num_accepted < num_drafts else 0)
         self.accepted = EMA_DECAY * self.accepted + num_accepted
         self.seen = EMA_DECAY * self.seen + looked_at
+        if num_accepted:
+            self.probe_interval = PROBE_INTERVAL
+        elif self.probing:
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        self.probing = False
+
+    def for_new_request(self) -> AcceptanceEstimate:
+        """A new request's estimate: this (method-wide) one's rate, weighted as the prior is, and probe interval."""
+        return AcceptanceEstimate(self.rate * PRIOR_SEEN, PRIOR_SEEN, probe_interval=self.probe_interval)
 
 
 def drafts_for_rate(rate: float, max_drafts: int) -> int:
@@ -67,8 +87,9 @@ def draft_length(estimate: AcceptanceEstimate, max_drafts: int) -> int:
         estimate.steps_without_drafts = 0
         return k
     estimate.steps_without_drafts += 1
-    if estimate.steps_without_drafts >= PROBE_INTERVAL:
+    if estimate.steps_without_drafts >= estimate.probe_interval:
         estimate.steps_without_drafts = 0
+        estimate.probing = max_drafts > 0
         return min(1, max_drafts)
     return 0
 

@@ -41,6 +41,7 @@ class Speculator:
         self.proposer = proposer or make_proposer(config)
         self.max_verify_tokens = config.max_verify_tokens or adaptive.DEFAULT_MAX_VERIFY_TOKENS
         self.estimates: dict[str, adaptive.AcceptanceEstimate] = {}
+        self.overall = adaptive.AcceptanceEstimate()  # every request's verifications: new requests start from it
         # cumulative, for SchedulerStats (vLLM's counters)
         self.num_drafts = 0  # verification steps of a request that had drafts
         self.num_draft_tokens = 0
@@ -71,7 +72,9 @@ class Speculator:
             # a run of k accepted drafts emits k + 1 tokens: never past max_tokens or the context
             k = min(cap, room, r.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
             if self.config.adaptive and k > 0:
-                estimate = self.estimates.setdefault(r.request_id, adaptive.AcceptanceEstimate())
+                estimate = self.estimates.get(r.request_id)
+                if estimate is None:
+                    estimate = self.estimates[r.request_id] = self.overall.for_new_request()
                 k = adaptive.draft_length(estimate, k)
             if k <= 0:
                 continue
@@ -92,7 +95,9 @@ class Speculator:
             self.accepted_per_pos[j] += 1
         estimate = self.estimates.get(r.request_id)
         if estimate is not None:
+            self.overall.probing = estimate.probing
             estimate.update(num_drafts, num_accepted)
+            self.overall.update(num_drafts, num_accepted)
 
     def finish(self, r: Request) -> None:
         self.estimates.pop(r.request_id, None)
