@@ -6,6 +6,7 @@ tenants, the admission queue, draining on SIGTERM, load correction, OTel spans, 
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import signal
@@ -411,6 +412,50 @@ def test_round_robin_alternates_between_replicas(replicas_server):
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]) == plain
     finally:
         router.stop()
+
+
+class _BodyCutShort(http.server.BaseHTTPRequestHandler):
+    """A replica that passes its health checks and answers every POST with 200 and half a body, then hangs up."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b'{"id": "cmpl-cut", "choices": [')
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_response_cut_short_before_the_client_saw_it_is_retried_on_another_replica(replicas_server):
+    """A response that is not streamed is read whole before it goes out, so a replica that fails half-way through
+    its body is like one that failed before answering: ejected, and the request served by the next replica."""
+    broken = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BodyCutShort)
+    threading.Thread(target=broken.serve_forever, daemon=True).start()
+    broken_url = f"http://127.0.0.1:{broken.server_address[1]}"
+    router = RouterProcess(["--backend", broken_url, replicas_server[1].url, "--policy", "round_robin",
+                            "--health-check-interval", "300"])
+    try:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4,
+                "temperature": 0}
+        responses = [httpx.post(router.url + "/v1/completions", json=body, timeout=60) for _ in range(2)]
+        assert [r.status_code for r in responses] == [200, 200], responses[0].text
+        assert {r.headers["x-tokenmill-replica"] for r in responses} == {replicas_server[1].url}
+        assert responses[0].headers["x-tokenmill-route-reason"] == "retry"  # round robin tried the broken one
+        assert responses[0].json()["choices"][0]["text"] == responses[1].json()["choices"][0]["text"]
+        assert _metric(router, "tokenmill_router:replica_healthy", replica=broken_url) == 0
+        assert _metric(router, "tokenmill_router:retries_total", replica=broken_url, cause="connection") == 1
+    finally:
+        router.stop()
+        broken.shutdown()
 
 
 def _long_request(route: str, max_tokens: int, **extra) -> tuple[str, dict]:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 
-import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -21,7 +20,7 @@ from tokenmill.router.metrics import CONTENT_TYPE, RouterMetrics
 from tokenmill.router.policy import make_policy
 from tokenmill.router.prompt_tokens import PromptTokenizer
 from tokenmill.router.proxy import RouterState, forward, forward_get
-from tokenmill.router.replicas import Replica, ReplicaSet
+from tokenmill.router.replicas import Replica, ReplicaClient, ReplicaSet
 from tokenmill.router.router_config import RouterConfig
 from tokenmill.router.tenants import AdmissionQueue, TenantRegistry, load_tenants
 from tokenmill.router.tracing import make_router_tracer
@@ -32,8 +31,7 @@ logger = logging.getLogger("tokenmill.router")
 
 
 def build_state(config: RouterConfig, tokenizer) -> RouterState:
-    client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=2.0),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    client = ReplicaClient(config.request_timeout)
     replicas = [Replica(url, KVIndex(url, config.block_size)) for url in config.backend]
     tenants = TenantRegistry(load_tenants(config.tenants_config)) if config.tenants_config else None
     return RouterState(config, ReplicaSet(replicas, client, config.health_check_interval),
@@ -173,7 +171,6 @@ def run_from_cli(args: argparse.Namespace) -> int:
         state = build_state(config, tokenizer)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and proxied request
     lifecycle = Lifecycle(config.shutdown_timeout)
     app = build_app(state, lifecycle)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,

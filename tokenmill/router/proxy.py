@@ -4,7 +4,9 @@ fails mid-way.
 
 The router commits to a replica at the first byte of its response body, not at its status line: a replica can
 send 200 and die before its first token (killed during prefill), and until a byte went out the request can
-still go to the next replica in the policy's ranking, as if the first had never been tried. Connection errors
+still go to the next replica in the policy's ranking, as if the first had never been tried. A response that is
+not streamed is read whole before anything goes out (one plain response: no streaming machinery per request),
+so it is retried elsewhere if its replica fails at any point. Connection errors
 eject the replica (tokenmill/router/replicas.py); a 502/503/504 is retried elsewhere, a 503's Retry-After
 becoming the replica's cooldown. Once bytes flow, a resumable stream (tokenmill/router/resume.py) is relayed
 event by event and continued on another replica if its replica fails; anything else is passed through as it
@@ -20,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -29,7 +31,7 @@ from tokenmill.router.kv_index import KVEventFeeds, prompt_block_hashes
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Policy, RouteRequest
 from tokenmill.router.prompt_tokens import PromptTokenizer
-from tokenmill.router.replicas import Replica, ReplicaSet
+from tokenmill.router.replicas import TRANSPORT_ERRORS, Replica, ReplicaClient, ReplicaSet
 from tokenmill.router.resume import ResumableStream, why_not_resumable
 from tokenmill.router.router_config import RouterConfig
 from tokenmill.router.tenants import AdmissionQueue, Rejected, Tenant, TenantRegistry, retry_after_header
@@ -44,6 +46,9 @@ _SKIP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "
 _SKIP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"}
 RETRY_AFTER_S = "1"  # every replica failed or none is admitted: the next health check may admit one
 MAX_USAGE_BODY = 8 << 20  # a non-streamed response larger than this is not parsed for its usage
+# a body up to this size is tokenized on the event loop (tens of microseconds; a hop to a thread costs more), a
+# larger one in a thread, so that a long prompt's tokenizing and templating do not hold up every other request
+INLINE_TOKENIZE_BYTES = 4096
 
 
 @dataclass
@@ -53,7 +58,7 @@ class RouterState:
     policy: Policy
     tokenizer: PromptTokenizer
     metrics: RouterMetrics
-    client: httpx.AsyncClient
+    client: ReplicaClient
     tenants: TenantRegistry | None = None
     admission: AdmissionQueue = field(default_factory=lambda: AdmissionQueue(0, 0, 1.0))
     tracer: RouterTracer | None = None
@@ -80,7 +85,7 @@ class Exchange:
     stream: ResumableStream | None = None
     replica: Replica | None = None  # the replica serving it now
     committed: Replica | None = None  # the replica whose first byte went out (the prediction was for it)
-    upstream: httpx.Response | None = None
+    upstream: aiohttp.ClientResponse | None = None
     reason: str = ""
     predicted: int = 0
     status: int = 0
@@ -92,7 +97,7 @@ class Exchange:
         if self.upstream is not None:
             upstream, self.upstream = self.upstream, None
             self.replica.in_flight -= 1
-            await upstream.aclose()
+            upstream.release()  # back to the pool if the body was read to its end, else the connection closes
 
     async def close(self) -> None:
         if self.closed:
@@ -161,7 +166,11 @@ async def forward(state: RouterState, request: Request, path: str, route: str) -
         body = body if isinstance(body, dict) else None
     except ValueError:
         body = None  # forwarded as is: the replica answers 400
-    route_request = await asyncio.to_thread(_route_request, state, route, body, request.headers.get("x-session-id"))
+    session_header = request.headers.get("x-session-id")
+    if len(raw) <= INLINE_TOKENIZE_BYTES:
+        route_request = _route_request(state, route, body, session_header)
+    else:
+        route_request = await asyncio.to_thread(_route_request, state, route, body, session_header)
     if tenant is not None and (refused := tenant.admit(route_request.num_prompt_tokens)) is not None:
         return _tenant_refused(state, tenant, *refused)
     try:
@@ -216,11 +225,12 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
         ex.stream = ResumableStream(route, body, state.tokenizer.tokenizer)
         raw = ex.stream.upstream_body()
     last_failure = ""
+    streaming = bool(body and body.get("stream"))
     for attempt, replica in enumerate(plan.ranked[:state.config.max_attempts]):
         if attempt == 0:
             state.metrics.overhead.observe(time.perf_counter() - arrived)
         reason = plan.reason if attempt == 0 else "retry"
-        opened = await _open(state, ex, replica, path, raw, reason)
+        opened = await _open(state, ex, replica, path, raw, reason, whole=not streaming)
         if isinstance(opened, str):
             last_failure = opened
             continue
@@ -231,42 +241,51 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
         response_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
         response_headers.update({"x-tokenmill-replica": replica.url, "x-tokenmill-route-reason": reason,
                                  "x-tokenmill-predicted-cached-tokens": str(ex.predicted)})
-        ex.status = upstream.status_code
-        if ex.stream is not None and upstream.status_code == 200:
+        ex.status = upstream.status
+        if chunks is None:  # a whole body (not streamed): one plain response; forward() closes the exchange
+            if ex.status == 200 and len(first) <= MAX_USAGE_BODY:
+                ex.usage = _usage(first)
+            await ex.release_upstream()
+            return Response(first, status_code=ex.status, headers=response_headers)
+        if ex.stream is not None and upstream.status == 200:
             relay = _relay_resumable(state, ex, first, chunks)
         else:
             ex.stream = None  # an error answer passes through as it is
-            relay = _relay(ex, first, chunks, bool(body and body.get("stream")))
-        return RelayResponse(ex, relay, upstream.status_code, response_headers)
+            relay = _relay(ex, first, chunks)
+        return RelayResponse(ex, relay, upstream.status, response_headers)
     state.metrics.failures.labels("all_attempts_failed").inc()
     return _unavailable(f"no replica could serve the request ({last_failure})")
 
 
-async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, content: bytes, reason: str):
-    """Sends the request to `replica` and waits for the first byte of its body: (upstream, first, rest) with
-    the exchange now on that replica, or the failure's description (the replica was ejected or cooled down)."""
+async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, content: bytes, reason: str,
+                whole: bool = False):
+    """Sends the request to `replica` and waits for the first bytes of its body (all of it if `whole`: a
+    response that is not streamed): (upstream, first, rest; rest None if whole) with the exchange now on that
+    replica, or the failure's description (the replica was ejected or cooled down)."""
     state.metrics.requests.labels(replica.name, reason).inc()
     ex.tried.append(replica)
     replica.in_flight += 1
     try:
-        upstream = await state.client.send(
-            state.client.build_request("POST", replica.url + path, content=content, headers=ex.headers), stream=True)
-    except httpx.TransportError as e:
+        upstream = await state.client.session.post(replica.url + path, data=content, headers=ex.headers)
+    except TRANSPORT_ERRORS as e:
         replica.in_flight -= 1
         state.replicas.eject(replica, f"{type(e).__name__} while proxying")
         state.metrics.retries.labels(replica.name, "connection").inc()
         return f"{replica.name}: {type(e).__name__}"
     ex.replica, ex.upstream, ex.reason = replica, upstream, reason
-    if upstream.status_code in RETRY_STATUSES:
-        if upstream.status_code == 503:
+    if upstream.status in RETRY_STATUSES:
+        if upstream.status == 503:
             state.replicas.cool_down(replica, upstream.headers.get("retry-after"))
         await ex.release_upstream()
-        state.metrics.retries.labels(replica.name, str(upstream.status_code)).inc()
-        return f"{replica.name} answered {upstream.status_code}"
-    chunks = upstream.aiter_raw()
+        state.metrics.retries.labels(replica.name, str(upstream.status)).inc()
+        return f"{replica.name} answered {upstream.status}"
     try:
-        first = await anext(chunks, b"")
-    except httpx.TransportError as e:
+        if whole:
+            first, chunks = await upstream.read(), None
+        else:
+            chunks = upstream.content.iter_any()
+            first = await anext(chunks, b"")
+    except TRANSPORT_ERRORS as e:
         await ex.release_upstream()
         state.replicas.eject(replica, f"{type(e).__name__} while proxying")
         state.metrics.retries.labels(replica.name, "connection").inc()
@@ -274,34 +293,25 @@ async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, c
     return upstream, first, chunks
 
 
-async def _relay(ex: Exchange, first: bytes, chunks, streaming: bool):
-    """The replica's body as it comes; a non-streamed JSON body is also kept, for its usage."""
-    kept = [] if not streaming and ex.status == 200 else None
-    size = 0
+async def _relay(ex: Exchange, first: bytes, chunks):
+    """A stream that cannot be resumed (or an error answer to a streamed request), passed on as it comes."""
     try:
-        for chunk in ([first] if first else []):
-            yield chunk
-        if kept is not None:
-            kept.append(first)
-            size += len(first)
+        if first:
+            yield first
         async for chunk in chunks:
             yield chunk
-            if kept is not None:
-                kept.append(chunk)
-                size += len(chunk)
-                if size > MAX_USAGE_BODY:
-                    kept = None
-    except httpx.TransportError as e:
+    except TRANSPORT_ERRORS as e:
         logger.warning("%s failed mid-response: %s", ex.replica.name, type(e).__name__)
-        if streaming:
-            yield _stream_error(f"the replica serving this stream failed: {type(e).__name__}")
-        return
-    if kept is not None:
-        try:
-            usage = msgspec.json.decode(b"".join(kept)).get("usage")
-            ex.usage = usage if isinstance(usage, dict) else None
-        except (msgspec.DecodeError, AttributeError):
-            pass
+        yield _stream_error(f"the replica serving this stream failed: {type(e).__name__}")
+
+
+def _usage(body: bytes) -> dict | None:
+    """A JSON response's usage object, if it has one."""
+    try:
+        usage = msgspec.json.decode(body).get("usage")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
 
 
 async def _relay_resumable(state: RouterState, ex: Exchange, first: bytes, chunks):
@@ -324,7 +334,7 @@ async def _relay_resumable(state: RouterState, ex: Exchange, first: bytes, chunk
                 return
             cause = stream.failure or "the stream ended before [DONE]"
             state.replicas.eject(ex.replica, f"failed mid-stream: {cause}")
-        except httpx.TransportError as e:
+        except TRANSPORT_ERRORS as e:
             cause = type(e).__name__
             state.replicas.eject(ex.replica, f"{cause} mid-stream")
         failed = ex.replica
@@ -368,9 +378,9 @@ async def _open_resumed(state: RouterState, ex: Exchange):
             last_failure = opened
             continue
         upstream, first, chunks = opened
-        if upstream.status_code != 200:
+        if upstream.status != 200:
             await ex.release_upstream()
-            last_failure = f"{replica.name} answered {upstream.status_code}"
+            last_failure = f"{replica.name} answered {upstream.status}"
             continue
         state.metrics.resumed_streams.labels(replica.name).inc()
         return first, chunks
@@ -392,10 +402,10 @@ async def forward_get(state: RouterState, path: str) -> Response:
     """A GET that any replica answers alike (/v1/models): the first admitted replica that answers."""
     for replica in state.replicas.routable():
         try:
-            upstream = await state.client.get(replica.url + path)
-        except httpx.TransportError as e:
+            status, body, upstream_headers = await state.client.get(replica.url + path)
+        except TRANSPORT_ERRORS as e:
             state.replicas.eject(replica, f"{type(e).__name__} while proxying")
             continue
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
-        return Response(upstream.content, status_code=upstream.status_code, headers=headers)
+        headers = {k: v for k, v in upstream_headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
+        return Response(body, status_code=status, headers=headers)
     return _unavailable("no replica is admitted")
