@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# c=32 throughput of server configurations side by side: one `tokenmill serve` at a time, each configuration in turn,
+# Throughput of server configurations side by side: one `tokenmill serve` at a time, each configuration in turn,
 # for ROUNDS rounds, so that every round's ratios are taken under the same conditions (this machine varies by
 # several percent from run to run: one run per configuration cannot decide a 3% line). The order rotates by one
 # each round (round 2 starts with the second configuration, ...): this machine also drifts within a round, which
-# a fixed order would charge to whichever configuration always runs last. Random prompts, ISL 256 /
-# OSL 128, --ignore-eos, 128 prompts at c=32. The first configuration is the reference: prints each one's output
-# tok/s per round, its ratio to the reference and the median ratio. The vllm:spec_decode counters are kept too.
-# Usage: benchmarks/alternating_c32.sh OUT_DIR NAME='serve flags' [NAME='serve flags' ...]    (ROUNDS=3)
-#   issue 15: benchmarks/alternating_c32.sh benchmarks/results/quantization/c32-tiled \
+# a fixed order would charge to whichever configuration always runs last. Random prompts, ISL 256 / OSL 128,
+# --ignore-eos, NUM_PROMPTS (128) prompts at c=CONCURRENCY (32). The first configuration is the reference: prints
+# each one's output tok/s per round, its ratio to the reference and the median ratio. The vllm:spec_decode
+# counters are kept too.
+# Usage: benchmarks/alternating.sh OUT_DIR NAME='serve flags' [NAME='serve flags' ...]    (ROUNDS=3, CONCURRENCY=32, NUM_PROMPTS=128)
+#   issue 15: benchmarks/alternating.sh benchmarks/results/quantization/c32-tiled \
 #     bf16='--dtype bfloat16 --quantization none --kv-cache-memory 1GiB' \
 #     q4_1='--dtype bfloat16 --quantization auto --kv-cache-memory 1GiB'
-#   issue 13: benchmarks/alternating_c32.sh benchmarks/results/spec-decode/c32-alternating off='' \
+#   issue 13: benchmarks/alternating.sh benchmarks/results/spec-decode/c32-alternating off='' \
 #     ngram='--speculative-config {"method":"ngram","num_speculative_tokens":5,"prompt_lookup_min":2,"prompt_lookup_max":5}' \
 #     suffix='--speculative-config {"method":"suffix"}'
 cd "$(dirname "$0")/.."
 OUT=$1; shift
-ROUNDS=${ROUNDS:-3}; PORT=${PORT:-8051}; URL="http://127.0.0.1:$PORT"
+ROUNDS=${ROUNDS:-3}; CONCURRENCY=${CONCURRENCY:-32}; NUM_PROMPTS=${NUM_PROMPTS:-128}; PORT=${PORT:-8051}; URL="http://127.0.0.1:$PORT"
 NAMES=("${@%%=*}"); FLAGS=("${@#*=}")
 mkdir -p "$OUT"; lscpu > "$OUT/lscpu.txt"
 for round in $(seq 1 "$ROUNDS"); do
@@ -27,7 +28,7 @@ for round in $(seq 1 "$ROUNDS"); do
     SERVER=$!
     until curl -sf "$URL/health" > /dev/null; do sleep 1; done
     .venv/bin/tokenmill bench serve --base-url "$URL" --dataset random --input-len 256 --output-len 128 --ignore-eos \
-        --concurrency 32 --num-prompts 128 --warmup 4 --seed 7 --output-dir "$OUT/$name-$round" > /dev/null 2>&1
+        --concurrency "$CONCURRENCY" --num-prompts "$NUM_PROMPTS" --warmup 4 --seed 7 --output-dir "$OUT/$name-$round" > /dev/null 2>&1
     curl -s "$URL/metrics" | grep -E '^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total' \
         > "$OUT/$name-$round/spec-metrics.txt" || true
     kill $SERVER; wait $SERVER 2>/dev/null

@@ -6,28 +6,33 @@
 # (tokenmill_router:overhead_seconds: arrival to forwarding) and its CPU time per request.
 #
 # Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/results/router/overhead)
-# Knobs (env): CONCURRENCY (64), REQUESTS per client and path (20), THREADS for the replica (2), POLICY (kv), DTYPE (auto).
+# Knobs (env): CONCURRENCY (64), REQUESTS per client and path (20), THREADS for the replica (2), POLICY (kv), DTYPE (auto);
+# REPLICA_CPUS, ROUTER_CPUS, CLIENT_CPUS: taskset CPU lists (unset: no pinning), e.g. the replica on one core
+# (THREADS=1 REPLICA_CPUS=0) and the router and clients on the other, as a router does not share a replica's cores
+# in a deployment.
 # A tiny check: CONCURRENCY=4 REQUESTS=3 benchmarks/router_overhead.sh /tmp/ro
 set -euo pipefail
 OUT=${1:-benchmarks/results/router/overhead}
 PY=${PY:-.venv/bin}
 CONCURRENCY=${CONCURRENCY:-64}; REQUESTS=${REQUESTS:-20}; THREADS=${THREADS:-2}; POLICY=${POLICY:-kv}
+export THREADS
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
-OMP_NUM_THREADS=$THREADS TOKENMILL_NO_PROGRESS=1 $PY/tokenmill serve --port 8301 --dtype "${DTYPE:-auto}" \
+pin() { if [ -n "$1" ]; then echo taskset -c "$1"; fi; }
+OMP_NUM_THREADS=$THREADS TOKENMILL_NO_PROGRESS=1 $(pin "${REPLICA_CPUS:-}") $PY/tokenmill serve --port 8301 --dtype "${DTYPE:-auto}" \
   --max-model-len 2048 --disable-log-stats \
   --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5641", "replay_endpoint": "tcp://*:5642"}' \
   > "$OUT/replica.log" 2>&1 &
 REPLICA=$!
 trap 'kill $REPLICA ${ROUTER:-} 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 until curl -sf http://127.0.0.1:8301/health/ready > /dev/null; do sleep 1; done
-$PY/tokenmill router --port 8300 --policy "$POLICY" --backend http://127.0.0.1:8301 \
+$(pin "${ROUTER_CPUS:-}") $PY/tokenmill router --port 8300 --policy "$POLICY" --backend http://127.0.0.1:8301 \
   --kv-events-endpoint tcp://127.0.0.1:5641 --kv-events-replay-endpoint tcp://127.0.0.1:5642 > "$OUT/router.log" 2>&1 &
 ROUTER=$!
 until curl -sf http://127.0.0.1:8300/health > /dev/null; do sleep 0.5; done
 
-$PY/python - "$OUT" "$CONCURRENCY" "$REQUESTS" <<'PY'
-import asyncio, json, sys, time
+$(pin "${CLIENT_CPUS:-}") $PY/python - "$OUT" "$CONCURRENCY" "$REQUESTS" <<'PY'
+import asyncio, json, os, sys, time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 out, concurrency, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -71,7 +76,8 @@ def pct(v, q):
 def value(metrics, name, **labels):
     return sum(s.value for s in metrics.get(name, []) if all(s.labels.get(k) == x for k, x in labels.items()))
 
-res = {"concurrency": concurrency, "requests_per_path": len(latency[ROUTER]), "duration_s": round(elapsed, 2)}
+res = {"concurrency": concurrency, "requests_per_path": len(latency[ROUTER]), "duration_s": round(elapsed, 2),
+       "pinning": {k: os.environ.get(k) for k in ("THREADS", "REPLICA_CPUS", "ROUTER_CPUS", "CLIENT_CPUS")}}
 for name, base in (("via_router", ROUTER), ("direct", DIRECT)):
     res[name] = {"p50_ms": round(pct(latency[base], 0.5), 2), "p99_ms": round(pct(latency[base], 0.99), 2)}
 res["router_added_ms"] = {q: round(res["via_router"][q] - res["direct"][q], 2) for q in ("p50_ms", "p99_ms")}

@@ -453,6 +453,9 @@ def test_a_response_cut_short_before_the_client_saw_it_is_retried_on_another_rep
         assert responses[0].json()["choices"][0]["text"] == responses[1].json()["choices"][0]["text"]
         assert _metric(router, "tokenmill_router:replica_healthy", replica=broken_url) == 0
         assert _metric(router, "tokenmill_router:retries_total", replica=broken_url, cause="connection") == 1
+        unknown, wrong_method = httpx.get(router.url + "/v1/nope", timeout=10), httpx.get(router.url + "/v1/completions")
+        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"  # the one shape
+        assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
     finally:
         router.stop()
         broken.shutdown()

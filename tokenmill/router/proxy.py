@@ -162,9 +162,9 @@ async def forward(state: RouterState, request: Request, path: str, route: str) -
         return _tenant_refused(state, tenant, *refused)
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = msgspec.json.decode(raw)
         body = body if isinstance(body, dict) else None
-    except ValueError:
+    except (msgspec.DecodeError, ValueError):
         body = None  # forwarded as is: the replica answers 400
     session_header = request.headers.get("x-session-id")
     if len(raw) <= INLINE_TOKENIZE_BYTES:

@@ -33,10 +33,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import httpx
 
 from tokenmill.router.app import build_app, build_state, join, leave, load_router_tokenizer
-from tokenmill.router.replicas import Replica, replica_reported_load
+from tokenmill.router.replicas import TRANSPORT_ERRORS, Replica, ReplicaClient, replica_reported_load
 from tokenmill.router.router_config import RouterConfig
 from tokenmill.server.lifecycle import Lifecycle
 
@@ -121,7 +120,6 @@ def _configure_logging() -> None:
     as `tokenmill router` has them: replicas joining, leaving, ejected."""
     from tokenmill.server.logs import configure_logging
     configure_logging()
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check, metric and request
 
 
 # ---------------------------------------------------------------- the replicas ----------------------------------
@@ -169,7 +167,7 @@ class TokenmillReplica:
         env = {**os.environ, "OMP_NUM_THREADS": str(engine_threads), "TOKENMILL_NO_PROGRESS": "1"}
         self.process = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent())
         self.local_url = f"http://127.0.0.1:{port}"
-        self.client = httpx.AsyncClient(timeout=10)
+        self.client = ReplicaClient(10.0)
         await self._wait_ready()
         self.registration = {"replica_id": self.replica_id, "url": f"http://{node}:{port}",
                              "kv_events_endpoint": f"tcp://{node}:{pub}",
@@ -186,9 +184,9 @@ class TokenmillReplica:
                 raise RuntimeError(f"tokenmill serve exited with {self.process.returncode} while starting (its "
                                    "output is in this replica's log)")
             try:
-                if (await self.client.get(self.local_url + "/health")).status_code == 200:
+                if (await self.client.get(self.local_url + "/health"))[0] == 200:
                     return
-            except httpx.HTTPError:
+            except TRANSPORT_ERRORS:
                 pass
             await asyncio.sleep(0.5)
         self.process.kill()
@@ -209,15 +207,17 @@ class TokenmillReplica:
         """Serve's custom autoscaling metric: the engine's running + waiting requests."""
         if self.stopping:  # Serve asks until the replica is gone, the engine may be already
             return {ENGINE_QUEUE_METRIC: 0.0}
-        response = await self.client.get(self.local_url + "/metrics")
-        return {ENGINE_QUEUE_METRIC: float(replica_reported_load(response.text) or 0)}
+        _, body, _ = await self.client.get(self.local_url + "/metrics")
+        return {ENGINE_QUEUE_METRIC: float(replica_reported_load(body.decode(errors="replace")) or 0)}
 
     async def check_health(self) -> None:
         """Serve replaces a replica whose engine died (an overloaded or draining one is alive: the router's own
         health checks stop routing to it)."""
         if self.process.poll() is not None:
             raise RuntimeError(f"tokenmill serve exited with {self.process.returncode}")
-        (await self.client.get(self.local_url + "/health/live")).raise_for_status()
+        status, _, _ = await self.client.get(self.local_url + "/health/live")
+        if status != 200:
+            raise RuntimeError(f"tokenmill serve's /health/live answered {status}")
 
     async def __del__(self):
         self.stopping = True

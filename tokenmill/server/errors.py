@@ -106,6 +106,14 @@ def exception_response(exc: BaseException) -> Response:
     return response
 
 
+def http_error_response(exc: StarletteHTTPException) -> Response:
+    """Starlette's own HTTP errors (an unknown route, a wrong method) in the one error shape."""
+    response = error_response(exc.status_code, str(exc.detail), HTTP_ERROR_TYPES.get(exc.status_code,
+                                                                                     "invalid_request_error"))
+    response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110)
+    return response
+
+
 def sse_error_event(exc: BaseException, request_id: str) -> bytes:
     """The last event of a stream that failed after its 200 status line went out."""
     if error_kind(exc) is INTERNAL_ERROR:
@@ -176,10 +184,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        type_ = HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
-        response = error_response(exc.status_code, str(exc.detail), type_)
-        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110)
-        return response
+        return http_error_response(exc)
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, exc: Exception):
