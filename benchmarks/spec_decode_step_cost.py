@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+
+from step_time_ab import prepared, timed_forward  # this folder's: python puts a script's folder on the path
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.engine import EngineCore
-from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -28,14 +26,9 @@ def main() -> None:
     parser.add_argument("--doubling", type=float, default=0.5,
                         help="the most a doubling of the tokens may add (a fraction) below the knee")
     args = parser.parse_args()
-    engine = EngineCore(EngineConfig(model=args.model, max_model_len=args.context + 64))
     batches = [int(b) for b in args.batches.split(",")]
     drafts = [int(k) for k in args.drafts.split(",")]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    for i in range(max(batches)):  # prefill every request, then one decode so each has an output token
-        engine.add_request(str(i), [(i * 7 + j) % 5000 + 100 for j in range(args.context)], params)
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
-        engine.step()
+    engine = prepared({"model": args.model}, max(batches), args.context, 0)
     requests = list(engine.scheduler.running)
     print(f"step time (ms, median of {args.repeats}) by batch B (rows) and drafts k per request; "
           f"tokens = B x (k + 1); context {args.context}")
@@ -45,22 +38,8 @@ def main() -> None:
         row = []
         for k in drafts:
             batch = requests[:b]
-            times = []
-            for _ in range(args.repeats):
-                sched = SchedulerOutput()
-                for r in batch:
-                    r.spec_token_ids = [(r.num_tokens + j) % 5000 + 100 for j in range(k)]
-                    assert engine.kv_cache.allocate_slots(r, k + 1)
-                    sched.requests.append(r)
-                    sched.num_scheduled_tokens[r.request_id] = k + 1
-                tables = {r.request_id: engine.kv_cache.block_ids(r.request_id) for r in batch}
-                start = time.perf_counter()
-                engine.runner.execute(sched, tables)
-                times.append(time.perf_counter() - start)
-                for r in batch:  # nothing was accepted: back to where it was
-                    r.spec_token_ids = []
-                    engine.kv_cache.keep_verified(r, r.num_computed_tokens)
-            row.append(statistics.median(times) * 1000)
+            times = [timed_forward(engine, batch, [k] * b) for _ in range(args.repeats)]
+            row.append(statistics.median(times))
             by_tokens.setdefault(b * (k + 1), []).append(row[-1])
         print(f"{b:<6}" + "".join(f"{t:>10.1f}" for t in row))
     times = {n: statistics.median(t) for n, t in sorted(by_tokens.items())}

@@ -32,12 +32,11 @@ def prepared(fields: dict, batch: int, context: int, extra: int) -> EngineCore:
     return engine
 
 
-def step(engine: EngineCore, extra: int) -> float:
-    """One forward over every running request (the first one with `extra` draft rows), then rolled back."""
-    batch = list(engine.scheduler.running)
+def timed_forward(engine: EngineCore, batch: list, drafts: list[int]) -> float:
+    """ms of one forward over `batch` (running requests), request i verifying drafts[i] made-up drafts (a row per
+    draft, as a prefill chunk of that many tokens would add); then rolled back, nothing kept."""
     sched = SchedulerOutput()
-    for i, r in enumerate(batch):
-        k = extra if i == 0 else 0
+    for r, k in zip(batch, drafts):
         r.spec_token_ids = [(r.num_tokens + j) % 5000 + 100 for j in range(k)]
         assert engine.kv_cache.allocate_slots(r, k + 1)
         sched.requests.append(r)
@@ -46,10 +45,16 @@ def step(engine: EngineCore, extra: int) -> float:
     start = time.perf_counter()
     engine.runner.execute(sched, tables)
     elapsed = time.perf_counter() - start
-    for r in batch:  # nothing kept: back to where it was
+    for r in batch:  # nothing was accepted: back to where it was
         r.spec_token_ids = []
         engine.kv_cache.keep_verified(r, r.num_computed_tokens)
     return elapsed * 1000
+
+
+def step(engine: EngineCore, extra: int) -> float:
+    """One forward over every running request, the first one with `extra` rows more."""
+    batch = list(engine.scheduler.running)
+    return timed_forward(engine, batch, [extra] + [0] * (len(batch) - 1))
 
 
 def main() -> None:

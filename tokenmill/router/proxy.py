@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from tokenmill.router.kv_index import KVEventFeeds, prompt_block_hashes
 from tokenmill.router.metrics import RouterMetrics
