@@ -164,7 +164,7 @@ async def forward(state: RouterState, request: Request, path: str, route: str) -
     try:
         body = msgspec.json.decode(raw)
         body = body if isinstance(body, dict) else None
-    except (msgspec.DecodeError, ValueError):
+    except ValueError:  # msgspec.DecodeError included
         body = None  # forwarded as is: the replica answers 400
     session_header = request.headers.get("x-session-id")
     if len(raw) <= INLINE_TOKENIZE_BYTES:
@@ -245,7 +245,6 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
         if chunks is None:  # a whole body (not streamed): one plain response; forward() closes the exchange
             if ex.status == 200 and len(first) <= MAX_USAGE_BODY:
                 ex.usage = _usage(first)
-            await ex.release_upstream()
             return Response(first, status_code=ex.status, headers=response_headers)
         if ex.stream is not None and upstream.status == 200:
             relay = _relay_resumable(state, ex, first, chunks)

@@ -33,7 +33,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-
 from tokenmill.router.app import build_app, build_state, join, leave, load_router_tokenizer
 from tokenmill.router.replicas import TRANSPORT_ERRORS, Replica, ReplicaClient, replica_reported_load
 from tokenmill.router.router_config import RouterConfig

@@ -108,8 +108,8 @@ def exception_response(exc: BaseException) -> Response:
 
 def http_error_response(exc: StarletteHTTPException) -> Response:
     """Starlette's own HTTP errors (an unknown route, a wrong method) in the one error shape."""
-    response = error_response(exc.status_code, str(exc.detail), HTTP_ERROR_TYPES.get(exc.status_code,
-                                                                                     "invalid_request_error"))
+    type_ = HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+    response = error_response(exc.status_code, str(exc.detail), type_)
     response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110)
     return response
 

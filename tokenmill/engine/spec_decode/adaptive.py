@@ -54,13 +54,16 @@ class AcceptanceEstimate:
     def rate(self) -> float:
         return self.accepted / self.seen
 
-    def update(self, num_drafts: int, num_accepted: int) -> None:
+    def update(self, num_drafts: int, num_accepted: int, probe: bool | None = None) -> None:
+        """One verification; probe: whether its drafts were a probe (default: whether draft_length made this
+        estimate's last draft one)."""
+        probe = self.probing if probe is None else probe
         looked_at = num_accepted + (1 if num_accepted < num_drafts else 0)
         self.accepted = EMA_DECAY * self.accepted + num_accepted
         self.seen = EMA_DECAY * self.seen + looked_at
         if num_accepted:
             self.probe_interval = PROBE_INTERVAL
-        elif self.probing:
+        elif probe:
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
         self.probing = False
 

@@ -95,9 +95,8 @@ class Speculator:
             self.accepted_per_pos[j] += 1
         estimate = self.estimates.get(r.request_id)
         if estimate is not None:
-            self.overall.probing = estimate.probing
+            self.overall.update(num_drafts, num_accepted, estimate.probing)
             estimate.update(num_drafts, num_accepted)
-            self.overall.update(num_drafts, num_accepted)
 
     def finish(self, r: Request) -> None:
         self.estimates.pop(r.request_id, None)

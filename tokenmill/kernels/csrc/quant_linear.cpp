@@ -546,8 +546,10 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void tile_bf16(c
 __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void store_tile(const float* acc, int rows, int n,
                                                                                 const float* bias, uint16_t* y,
                                                                                 int64_t ld) {
-  const __mmask16 m0 = n >= kGroup ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-  const __mmask16 m1 = n >= kTileOutputs ? 0xFFFF : n <= kGroup ? 0 : static_cast<__mmask16>((1u << (n - kGroup)) - 1);
+  auto first_lanes = [](int count) {  // a mask of the first count of 16 lanes
+    return static_cast<__mmask16>(count >= kGroup ? 0xFFFF : count <= 0 ? 0 : (1u << count) - 1);
+  };
+  const __mmask16 m0 = first_lanes(n), m1 = first_lanes(n - kGroup);
   const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + kGroup);
   for (int r = 0; r < rows; ++r) {
     const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc + r * kTileOutputs), b0);
@@ -574,7 +576,7 @@ at::Tensor bf16_tiled_linear(const at::Tensor& x, const at::Tensor& qweight, con
     at::Tensor b32 = bias->to(at::kFloat).contiguous();
     b.assign(b32.data_ptr<float>(), b32.data_ptr<float>() + out_features);
   }
-  b.resize(groups * kGroup + kGroup, 0.0f);
+  b.resize(out_features, 0.0f);  // store_tile reads a tile's valid outputs only
   at::Tensor y = at::empty({M, out_features}, x.options());
   const uint8_t* wbase = qweight.data_ptr<uint8_t>();
   const uint16_t* mbase = reinterpret_cast<const uint16_t*>(meta.data_ptr());
