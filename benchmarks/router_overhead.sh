@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The latency `tokenmill router` adds: one replica, the router in front of it, and C concurrent clients (64)
-# that alternate, request by request, between the router and the replica directly, in the same run, so that
-# both see the same engine load. Requests are tiny (a short prompt, max_tokens 1) so that the engine is not the
-# bottleneck. Prints the latency p50/p99 of each path and their difference, the router's own histogram
+# The latency `tokenmill router` adds: one replica, the router in front of it, and C requests in flight (64):
+# C/2 clients, each sending the same request via the router and to the replica directly at the same moment, pair
+# after pair, so that both of a pair meet the same engine queue and step (clients that alternated request by
+# request met a queue of ~1 s at c=64 that changed between a request and the next, and the difference drowned in
+# it). Requests are tiny (a short prompt, max_tokens 1). Prints the latency p50/p99 of each path and their
+# difference, the p50/p99 of the per-pair difference, the router's own histogram
 # (tokenmill_router:overhead_seconds: arrival to forwarding) and its CPU time per request.
 #
 # Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/results/router/overhead)
-# Knobs (env): CONCURRENCY (64), REQUESTS per client and path (20), THREADS for the replica (2), POLICY (kv), DTYPE (auto);
+# Knobs (env): CONCURRENCY (64), REQUESTS: pairs per client (40), THREADS for the replica (2), POLICY (kv), DTYPE (auto);
 # REPLICA_CPUS, ROUTER_CPUS, CLIENT_CPUS: taskset CPU lists (unset: no pinning), e.g. the replica on one core
 # (THREADS=1 REPLICA_CPUS=0) and the router and clients on the other, as a router does not share a replica's cores
 # in a deployment.
@@ -14,7 +16,7 @@
 set -euo pipefail
 OUT=${1:-benchmarks/results/router/overhead}
 PY=${PY:-.venv/bin}
-CONCURRENCY=${CONCURRENCY:-64}; REQUESTS=${REQUESTS:-20}; THREADS=${THREADS:-2}; POLICY=${POLICY:-kv}
+CONCURRENCY=${CONCURRENCY:-64}; REQUESTS=${REQUESTS:-40}; THREADS=${THREADS:-2}; POLICY=${POLICY:-kv}
 export THREADS
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
@@ -40,14 +42,24 @@ ROUTER, DIRECT = "http://127.0.0.1:8300", "http://127.0.0.1:8301"
 body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there, how", "max_tokens": 1, "temperature": 0}
 latency = {ROUTER: [], DIRECT: []}
 
+pair_difference = []  # via the router minus direct, per pair
+
+async def one(http, base):
+    t = time.perf_counter()
+    r = await http.post(base + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return (time.perf_counter() - t) * 1e3
+
 async def client(http, i):
-    order = [ROUTER, DIRECT] if i % 2 else [DIRECT, ROUTER]  # half the clients start with each path
-    for _ in range(requests):
-        for base in order:
-            t = time.perf_counter()
-            r = await http.post(base + "/v1/completions", json=body)
-            latency[base].append((time.perf_counter() - t) * 1e3)
-            assert r.status_code == 200, r.text
+    # Each of C/2 clients sends a pair at a time: the same request via the router and directly, at the same
+    # moment (which goes first alternates), so that both meet the same engine queue and step: the difference is
+    # the router's. C requests are in flight.
+    for n in range(requests):
+        order = [ROUTER, DIRECT] if (i + n) % 2 else [DIRECT, ROUTER]
+        times = dict(zip(order, await asyncio.gather(*(one(http, base) for base in order))))
+        for base, ms in times.items():
+            latency[base].append(ms)
+        pair_difference.append(times[ROUTER] - times[DIRECT])
 
 def router_metrics():
     values = {}
@@ -59,12 +71,12 @@ def router_metrics():
 async def main():
     limits = httpx.Limits(max_connections=2 * concurrency, max_keepalive_connections=2 * concurrency)
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        await asyncio.gather(*(client(http, i) for i in range(concurrency)))  # a warm-up round
-        for v in latency.values():
+        await asyncio.gather(*(client(http, i) for i in range(concurrency // 2)))  # a warm-up round
+        for v in (*latency.values(), pair_difference):
             v.clear()
         before = router_metrics()
         t = time.perf_counter()
-        await asyncio.gather(*(client(http, i) for i in range(concurrency)))
+        await asyncio.gather(*(client(http, i) for i in range(concurrency // 2)))
         return time.perf_counter() - t, before, router_metrics()
 
 elapsed, before, after = asyncio.run(main())
@@ -81,6 +93,8 @@ res = {"concurrency": concurrency, "requests_per_path": len(latency[ROUTER]), "d
 for name, base in (("via_router", ROUTER), ("direct", DIRECT)):
     res[name] = {"p50_ms": round(pct(latency[base], 0.5), 2), "p99_ms": round(pct(latency[base], 0.99), 2)}
 res["router_added_ms"] = {q: round(res["via_router"][q] - res["direct"][q], 2) for q in ("p50_ms", "p99_ms")}
+res["pair_difference_ms"] = {"p50_ms": round(pct(pair_difference, 0.5), 2), "p99_ms": round(pct(pair_difference, 0.99), 2),
+                             "mean_ms": round(sum(pair_difference) / len(pair_difference), 2)}
 # the router's own view: arrival to forwarding, from its histogram (bucket bounds)
 count = value(after, "tokenmill_router:overhead_seconds_count") - value(before, "tokenmill_router:overhead_seconds_count")
 buckets = sorted({float(s.labels["le"]) for s in after["tokenmill_router:overhead_seconds_bucket"]})

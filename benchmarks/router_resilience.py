@@ -21,7 +21,7 @@ paths), and a resumed stream is recomputed in another batch on another replica.
    recognised by its KV event sequence starting again). The line: within 2 s.
 
 Usage: .venv/bin/python benchmarks/router_resilience.py [OUT_DIR]   (default benchmarks/results/router/resilience)
-Knobs: --quiet-requests N (40), --fault-requests N (32), --max-tokens N (64 in phase 2), --phases tenants,faults."""
+Knobs: --quiet-requests N (40), --flood-rpm N (20), --fault-requests N (32), --max-tokens N (64 in phase 2), --phases tenants,faults."""
 from __future__ import annotations
 
 import argparse
@@ -121,7 +121,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, key: str 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     start = time.perf_counter()
     result = {"status": None, "started": False, "ttft": None, "text": "", "error": None, "replica": None,
-              "ended": None}
+              "began": time.monotonic(), "ended": None}
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
             result["status"], result["replica"] = r.status_code, r.headers.get("x-tokenmill-replica")
@@ -151,27 +151,33 @@ def p95(values: list[float]) -> float:
     return statistics.quantiles(values, n=20)[18] if len(values) >= 2 else values[0]
 
 
-async def flood(router: str, clients: int, stop) -> list[int]:
+async def flood(router: str, clients: int, stop) -> tuple[list[int], list[dict]]:
     """The flooding tenant: `clients` clients that send one request after another, until `stop` is set; their
-    statuses."""
+    statuses, and when and where each admitted one ran (began, ended, replica)."""
     statuses: list[int] = []
+    admitted: list[dict] = []
     async with httpx.AsyncClient(timeout=120) as client:
         async def flooder(j: int) -> None:
             n = 0
             while not stop.is_set():
                 body = chat_body(SYSTEMS[j % 2], f"Write about {TOPICS[(j + n) % len(TOPICS)]} at length.", 32)
-                statuses.append((await stream_chat(client, router, body, "key-flood"))["status"])
+                result = await stream_chat(client, router, body, "key-flood")
+                statuses.append(result["status"])
                 n += 1
                 if statuses[-1] == 429:
                     await asyncio.sleep(0.05)  # a client that retries at once, as floods do
+                else:
+                    admitted.append({k: result[k] for k in ("began", "ended", "replica")})
 
         await asyncio.gather(*(flooder(j) for j in range(clients)))
-    return statuses
+    return statuses, admitted
 
 
 def flood_process(router: str, clients: int, started, stop, results) -> None:
     started.set()
-    results.put(asyncio.run(flood(router, clients, stop)))
+    cpu, wall = time.process_time(), time.monotonic()
+    statuses, admitted = asyncio.run(flood(router, clients, stop))
+    results.put((statuses, admitted, (time.process_time() - cpu) / (time.monotonic() - wall)))
 
 
 async def tenants_phase(router: str, quiet_requests: int) -> dict:
@@ -193,14 +199,27 @@ async def tenants_phase(router: str, quiet_requests: int) -> dict:
         flooder.start()
         await asyncio.to_thread(started.wait, 60)
         await asyncio.sleep(1.0)  # the flood under way
+        router_cpu, wall = metric(router, "tokenmill_router:cpu_seconds"), time.monotonic()
         try:
             loaded = await quiet_run()
         finally:
+            router_cores = (metric(router, "tokenmill_router:cpu_seconds") - router_cpu) / (time.monotonic() - wall)
             stop.set()
-            statuses = await asyncio.to_thread(results.get, True, 120)
+            statuses, admitted, flood_cores = await asyncio.to_thread(results.get, True, 120)
             flooder.join(30)
     solo_ttft = [r["ttft"] for r in solo if r["ttft"] is not None]
     loaded_ttft = [r["ttft"] for r in loaded if r["ttft"] is not None]
+
+    def overlapped(r: dict, same_replica: bool) -> bool:
+        """Whether an admitted flood request ran while this quiet request waited for its first token."""
+        first = r["began"] + r["ttft"]
+        return any(f["began"] < first and f["ended"] > r["began"] and (not same_replica or f["replica"] == r["replica"])
+                   for f in admitted)
+
+    timed = [r for r in loaded if r["ttft"] is not None]
+    beside = {"any_replica": [r["ttft"] for r in timed if overlapped(r, False)],
+              "same_replica": [r["ttft"] for r in timed if overlapped(r, True)],
+              "none": [r["ttft"] for r in timed if not overlapped(r, False)]}
     return {
         "quiet_requests": quiet_requests,
         "quiet_solo_ok": sum(r["status"] == 200 and r["error"] is None for r in solo),
@@ -212,6 +231,14 @@ async def tenants_phase(router: str, quiet_requests: int) -> dict:
         "quiet_p95_ratio": round(p95(loaded_ttft) / p95(solo_ttft), 2),
         "flood_requests": len(statuses), "flood_200": statuses.count(200), "flood_429": statuses.count(429),
         "flood_other": len(statuses) - statuses.count(200) - statuses.count(429),
+        # CPU (cores) while the quiet tenant ran under the flood: the router's (refusals, the flood's and the quiet
+        # tenant's requests) and the flood's own clients' (on the same 2 cores here; elsewhere in a deployment)
+        "router_cpu_cores_under_flood": round(router_cores, 3), "flood_clients_cpu_cores": round(flood_cores, 3),
+        # the quiet requests under the flood by what ran beside them: count and TTFT p50 (ms)
+        "quiet_beside_admitted_flood": {k: {"count": len(v), "ttft_p50_ms": round(1000 * statistics.median(v), 1)
+                                            if v else None} for k, v in beside.items()},
+        "quiet_ttft_ms_solo": [round(1000 * t, 1) for t in solo_ttft],
+        "quiet_ttft_ms_under_flood": [round(1000 * t, 1) for t in loaded_ttft],
     }
 
 
@@ -319,6 +346,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", nargs="?", default="benchmarks/results/router/resilience")
     parser.add_argument("--quiet-requests", type=int, default=40)
+    parser.add_argument("--flood-rpm", type=float, default=20, help="the flooding tenant's RPM limit: what it is "
+                        "allowed; each admitted request is 32 tokens, so on a slow machine 20 RPM keeps a replica "
+                        "busy all the time")
     parser.add_argument("--fault-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--phases", default="tenants,faults", help="which of tenants, faults (faults includes the "
@@ -337,7 +367,7 @@ def main() -> None:
         tenants = os.path.join(args.out, "tenants.json")
         with open(tenants, "w") as f:
             json.dump({"key-quiet": {"tenant": "quiet", "rpm": 600},
-                       "key-flood": {"tenant": "flood", "rpm": 20, "max_parallel_requests": 1}}, f)
+                       "key-flood": {"tenant": "flood", "rpm": args.flood_rpm, "max_parallel_requests": 1}}, f)
         port = free_port()
         router = f"http://127.0.0.1:{port}"
         cmd = [os.path.join(os.path.dirname(sys.executable), "tokenmill"), "router", "--port", str(port),

@@ -12,9 +12,11 @@ draft's distribution. The rejection sampler alone: chi-square tests that its out
 (temperature, top-k, top-p), for a one-hot draft and for a draft distribution that differs from the target."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import torch
 
@@ -28,6 +30,7 @@ from tokenmill.engine.spec_decode.config import SpeculativeConfig
 from tokenmill.engine.spec_decode.ngram_proposer import NgramProposer
 from tokenmill.engine.spec_decode.rejection_sampler import general_rejection_sample, verify
 from tokenmill.engine.spec_decode.suffix_proposer import SuffixProposer
+from server_utils import MODEL, RemoteServer, server  # noqa: F401 - the fixture
 
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the one hundred and twelve "
@@ -167,6 +170,38 @@ def assert_accepted(llm: LLM, per_verification: float = 1.0) -> dict:
     assert stats["spec_num_accepted_tokens"] > per_verification * stats["spec_num_drafts"], stats
     assert sum(stats["spec_accepted_per_pos"]) == stats["spec_num_accepted_tokens"]
     return stats
+
+
+# ---- the server ----
+
+@pytest.mark.slow
+def test_server_counts_drafts_in_vllm_metrics(server):
+    """A server with n-gram speculation answers a copy prompt as the plain (shared) server does, and counts its
+    drafts in vLLM's spec-decode counters, which agree with each other."""
+    from prometheus_client.parser import text_string_to_metric_families
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    spec = RemoteServer(["--speculative-config", json.dumps(config)])
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        plain_text, spec_text = (
+            httpx.post(s.url_for("/v1/completions"), headers=s.headers(), json=body, timeout=120).json()
+            ["choices"][0]["text"] for s in (server, spec))
+        assert spec_text == plain_text
+        totals, per_pos = {}, {}
+        for family in text_string_to_metric_families(httpx.get(spec.url_for("/metrics"), timeout=30).text):
+            for sample in family.samples:
+                if sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+                    per_pos[int(sample.labels["position"])] = sample.value
+                elif sample.name.startswith("vllm:spec_decode_num_") and sample.name.endswith("_total"):
+                    totals[sample.name[len("vllm:spec_decode_num_"):-len("_total")]] = sample.value
+    finally:
+        spec.stop()
+    drafts, draft_tokens, accepted = totals["drafts"], totals["draft_tokens"], totals["accepted_tokens"]
+    assert drafts > 0 and drafts <= draft_tokens <= 4 * drafts
+    assert 0 < accepted <= draft_tokens
+    assert accepted > drafts  # a copy: more than one accepted draft per verification on average
+    assert sum(per_pos.values()) == accepted and set(per_pos) <= {0, 1, 2, 3}
+    assert per_pos[0] == max(per_pos.values())  # a later position is reached only through the earlier ones
 
 
 # ---- the engine ----
