@@ -33,13 +33,15 @@ import sys
 import httpx
 
 from tokenmill.bench import datasets
-from tokenmill.bench.serve import Endpoint, endpoint_info, launch_server, run_closed_loop, stop_server
+from tokenmill.bench.serve import (Endpoint, add_cli_args, endpoint_info, launch_server, run_closed_loop,
+                                   stop_server)
 from tokenmill.models.paths import resolve_model_path
 from tokenmill.tokenizer import load_tokenizer
 
 
 def turn_tokens_and_time(endpoint: Endpoint, sessions, concurrency: int) -> tuple[int, float]:
-    records, wall = asyncio.run(run_closed_loop(endpoint, sessions, concurrency, 600.0, lambda: None))
+    timeout = endpoint.args.request_timeout
+    records, wall = asyncio.run(run_closed_loop(endpoint, sessions, concurrency, timeout, lambda: None))
     failed = [r.error for r in records if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[:2]}")
@@ -82,8 +84,9 @@ def main() -> int:
     count = args.warmup + args.pairs * args.turn_prompts
     sessions = datasets.random_sessions(pool, count, args.input_len, 0, args.output_len, 0, args.seed)
     warmup, measured = sessions[:args.warmup], sessions[args.warmup:]
-    bench_args = argparse.Namespace(seed=args.seed, lora_modules=None, temperature=0.0, ignore_eos=True,
-                                    extra_body=None, api_key=None)
+    bench_parser = argparse.ArgumentParser()
+    add_cli_args(bench_parser)  # what an Endpoint reads, with `tokenmill bench serve`'s defaults (greedy)
+    bench_args = bench_parser.parse_args(["--ignore-eos", "--seed", str(args.seed)])
     servers = {}
     try:
         for n in names:

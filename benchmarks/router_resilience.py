@@ -208,18 +208,14 @@ async def tenants_phase(router: str, quiet_requests: int) -> dict:
             statuses, admitted, flood_cores = await asyncio.to_thread(results.get, True, 120)
             flooder.join(30)
     solo_ttft = [r["ttft"] for r in solo if r["ttft"] is not None]
-    loaded_ttft = [r["ttft"] for r in loaded if r["ttft"] is not None]
-
-    def overlapped(r: dict, same_replica: bool) -> bool:
-        """Whether an admitted flood request ran while this quiet request waited for its first token."""
-        first = r["began"] + r["ttft"]
-        return any(f["began"] < first and f["ended"] > r["began"] and (not same_replica or f["replica"] == r["replica"])
-                   for f in admitted)
-
     timed = [r for r in loaded if r["ttft"] is not None]
-    beside = {"any_replica": [r["ttft"] for r in timed if overlapped(r, False)],
-              "same_replica": [r["ttft"] for r in timed if overlapped(r, True)],
-              "none": [r["ttft"] for r in timed if not overlapped(r, False)]}
+    loaded_ttft = [r["ttft"] for r in timed]
+    beside = {"any_replica": [], "same_replica": [], "none": []}
+    for r in timed:  # the admitted flood requests that ran while this quiet request waited for its first token
+        ran = [f for f in admitted if f["began"] < r["began"] + r["ttft"] and f["ended"] > r["began"]]
+        beside["any_replica" if ran else "none"].append(r["ttft"])
+        if any(f["replica"] == r["replica"] for f in ran):
+            beside["same_replica"].append(r["ttft"])
     return {
         "quiet_requests": quiet_requests,
         "quiet_solo_ok": sum(r["status"] == 200 and r["error"] is None for r in solo),

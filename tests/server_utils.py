@@ -115,6 +115,23 @@ class RemoteServer:
             os.unlink(self.log.name)
 
 
+def scrape_metrics(server) -> dict[str, dict]:
+    """/metrics parsed: family name → {'type': ..., 'samples': {(sample name, sorted label items): value}}"""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(server.url_for("/metrics"), timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
+        out[family.name] = {"type": family.type, "samples": samples}
+    return out
+
+
+def metric_value(m: dict, family: str, sample: str, **labels) -> float:
+    """One sample of scrape_metrics' result (0 if absent); model_name defaults to the served model."""
+    labels.setdefault("model_name", MODEL)
+    return m[family]["samples"].get((sample, tuple(sorted(labels.items()))), 0.0)
+
+
 _shared: RemoteServer | None = None
 
 

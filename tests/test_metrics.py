@@ -1,28 +1,11 @@
 """/metrics against a real server: vLLM's names, types, labels and bucket edges, and counts that add up."""
 from __future__ import annotations
 
-import time
-
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from server_utils import MODEL, server  # noqa: F401 - the fixture
+from polling import wait_until
+from server_utils import MODEL, metric_value, scrape_metrics, server  # noqa: F401 - the fixture
 from tokenmill.server.metrics import ITL_BUCKETS, TTFT_BUCKETS
-
-
-def scrape(server) -> dict[str, dict]:
-    """name → {'type': ..., 'samples': {(sample name, sorted label items): value}}"""
-    text = httpx.get(server.url_for("/metrics"), timeout=30).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
-        out[family.name] = {"type": family.type, "samples": samples}
-    return out
-
-
-def value(m: dict, family: str, sample: str, **labels) -> float:
-    labels.setdefault("model_name", MODEL)
-    return m[family]["samples"].get((sample, tuple(sorted(labels.items()))), 0.0)
 
 
 def complete(server, prompt: str, max_tokens: int, **extra) -> dict:
@@ -33,7 +16,7 @@ def complete(server, prompt: str, max_tokens: int, **extra) -> dict:
 
 
 def test_names_types_and_buckets(server):
-    m = scrape(server)
+    m = scrape_metrics(server)
     expected = {
         "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
         "vllm:kv_cache_usage_perc": "gauge",
@@ -61,7 +44,7 @@ def test_names_types_and_buckets(server):
 
 
 def test_counts_add_up(server):
-    before = scrape(server)
+    before = scrape_metrics(server)
     prompt = "The quick brown fox jumps over the lazy dog. " * 4
     a = complete(server, prompt, 6, ignore_eos=True)
     b = complete(server, prompt, 5, ignore_eos=True)  # the same prompt again: a prefix-cache hit
@@ -71,10 +54,10 @@ def test_counts_add_up(server):
     stop = text[len(text) // 2:len(text) // 2 + 3]
     c = complete(server, "Once upon a time", 12, stop=[stop], ignore_eos=True)
     assert c["choices"][0]["finish_reason"] == "stop"
-    after = scrape(server)
+    after = scrape_metrics(server)
 
     def delta(family, sample, **labels):
-        return value(after, family, sample, **labels) - value(before, family, sample, **labels)
+        return metric_value(after, family, sample, **labels) - metric_value(before, family, sample, **labels)
 
     prompt_tokens = sum(x["usage"]["prompt_tokens"] for x in (a, b, free, c))
     # c stopped on a string: the engine made at least the tokens it returned before the front end aborted it
@@ -97,9 +80,6 @@ def test_counts_add_up(server):
     assert delta("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_sum") > 0
     # c's abort reaches the engine after its response reached us; the engine reports the state it leaves (no step
     # follows an abort), so the gauge falls to 0 within a moment of the response, not necessarily before it.
-    running = value(after, "vllm:num_requests_running", "vllm:num_requests_running")
-    deadline = time.monotonic() + 10
-    while running != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-        running = value(scrape(server), "vllm:num_requests_running", "vllm:num_requests_running")
-    assert running == 0
+    wait_until(lambda: metric_value(scrape_metrics(server), "vllm:num_requests_running",
+                                    "vllm:num_requests_running") == 0, timeout_s=10, interval_s=0.05,
+               message="vllm:num_requests_running to fall to 0")

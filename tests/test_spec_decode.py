@@ -30,7 +30,7 @@ from tokenmill.engine.spec_decode.config import SpeculativeConfig
 from tokenmill.engine.spec_decode.ngram_proposer import NgramProposer
 from tokenmill.engine.spec_decode.rejection_sampler import general_rejection_sample, verify
 from tokenmill.engine.spec_decode.suffix_proposer import SuffixProposer
-from server_utils import MODEL, RemoteServer, server  # noqa: F401 - the fixture
+from server_utils import MODEL, RemoteServer, metric_value, scrape_metrics, server  # noqa: F401 - the fixture
 
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the one hundred and twelve "
@@ -178,7 +178,6 @@ def assert_accepted(llm: LLM, per_verification: float = 1.0) -> dict:
 def test_server_counts_drafts_in_vllm_metrics(server):
     """A server with n-gram speculation answers a copy prompt as the plain (shared) server does, and counts its
     drafts in vLLM's spec-decode counters, which agree with each other."""
-    from prometheus_client.parser import text_string_to_metric_families
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     spec = RemoteServer(["--speculative-config", json.dumps(config)])
     try:
@@ -187,16 +186,14 @@ def test_server_counts_drafts_in_vllm_metrics(server):
             httpx.post(s.url_for("/v1/completions"), headers=s.headers(), json=body, timeout=120).json()
             ["choices"][0]["text"] for s in (server, spec))
         assert spec_text == plain_text
-        totals, per_pos = {}, {}
-        for family in text_string_to_metric_families(httpx.get(spec.url_for("/metrics"), timeout=30).text):
-            for sample in family.samples:
-                if sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-                    per_pos[int(sample.labels["position"])] = sample.value
-                elif sample.name.startswith("vllm:spec_decode_num_") and sample.name.endswith("_total"):
-                    totals[sample.name[len("vllm:spec_decode_num_"):-len("_total")]] = sample.value
+        m = scrape_metrics(spec)
     finally:
         spec.stop()
-    drafts, draft_tokens, accepted = totals["drafts"], totals["draft_tokens"], totals["accepted_tokens"]
+    drafts, draft_tokens, accepted = (metric_value(m, f"vllm:spec_decode_num_{n}", f"vllm:spec_decode_num_{n}_total")
+                                      for n in ("drafts", "draft_tokens", "accepted_tokens"))
+    per_pos = {int(dict(labels)["position"]): v
+               for (name, labels), v in m["vllm:spec_decode_num_accepted_tokens_per_pos"]["samples"].items()
+               if name.endswith("_total")}
     assert drafts > 0 and drafts <= draft_tokens <= 4 * drafts
     assert 0 < accepted <= draft_tokens
     assert accepted > drafts  # a copy: more than one accepted draft per verification on average
