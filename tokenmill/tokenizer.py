@@ -59,3 +59,15 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     except OSError as e:  # a read-only home only costs time
         logger.warning("could not cache the tokenizer at %s: %s", cached, e)
     return tok
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=...)`'s token ids. For a tokenizers-backed tokenizer the Rust
+    backend is called directly: transformers wraps that same call in ~100 us of Python per text (padding and
+    truncation set-up, a BatchEncoding built and taken apart), which was the largest share of the router's CPU
+    per request. The wrapper passes the text unchanged and adds nothing when the backend has no padding or
+    truncation set (it clears them per call); if either is set, the wrapper runs."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids

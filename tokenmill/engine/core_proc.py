@@ -36,6 +36,7 @@ from tokenmill.engine.messages import (
     StatsQuery,
     StatsReply,
 )
+from tokenmill.heap import freeze_startup_heap
 from tokenmill.sampling_params import ParamError
 
 logger = logging.getLogger("tokenmill.engine.core_proc")
@@ -80,6 +81,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         engine.max_model_len, engine.runner.vocab_size, config.max_logprobs, config.scheduling_policy,
         engine.kv_cache.num_blocks, engine.kv_cache.block_size, config.enable_prefix_caching, engine.runner_type,
         engine.matryoshka, config.kv_cache_dtype, max_loras=config.max_loras if engine.lora is not None else 0)))
+    freeze_startup_heap()
     EngineCoreLoop(engine, inputs, outputs, parent_pid, publisher).run()
 
 

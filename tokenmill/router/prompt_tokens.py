@@ -10,6 +10,7 @@ import logging
 
 from tokenmill.server.chat_utils import render_chat
 from tokenmill.server.protocol import ChatMessage
+from tokenmill.tokenizer import encode
 
 logger = logging.getLogger("tokenmill.router.prompt_tokens")
 
@@ -31,7 +32,7 @@ class PromptTokenizer:
             if isinstance(prompt, list) and prompt:
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
+                return encode(self.tokenizer, prompt)
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 return prompt
         except Exception as e:  # noqa: BLE001 - the replica will report what is wrong with the request

@@ -50,6 +50,7 @@ from tokenmill.server.serving_responses import add_responses_routes
 from tokenmill.server.serving_score import add_score_routes
 from tokenmill.server.serving_tokenization import OpenAIServingTokenization
 from tokenmill.server.tracing import make_tracer
+from tokenmill.heap import freeze_startup_heap
 from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill.server")
@@ -274,6 +275,7 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
             logger.error("--lora-modules: %s", e)
             return 1
         root.inner = app
+        freeze_startup_heap()
         if lifecycle.phase == "loading":
             lifecycle.phase = "ready"
         if not config.disable_log_stats:

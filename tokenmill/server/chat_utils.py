@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tokenmill.sampling_params import ParamError
 from tokenmill.server.protocol import ChatMessage
+from tokenmill.tokenizer import encode
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 SHIPPED_TEMPLATES = {path.stem: path for path in TEMPLATES_DIR.glob("*.jinja")}
@@ -93,4 +94,4 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
                                              continue_final_message=continue_final_message, **kwargs)
     except Exception as e:  # jinja2 errors, or the template's own raise_exception
         raise ParamError(f"the chat template failed on these messages: {e}", "messages") from e
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, encode(tokenizer, text, add_special_tokens=False)

@@ -21,6 +21,7 @@ from tokenmill.server.errors import ModelNotFound, Overloaded
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import ChatMessage
 from tokenmill.server.server_config import ServerConfig
+from tokenmill.tokenizer import encode
 
 
 @dataclass
@@ -107,8 +108,7 @@ class ServerState:
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Prompts as token ids, off the event loop."""
         self.check_text_length(max(len(t) for t in texts), "prompt")
-        return await asyncio.to_thread(lambda: [self.tokenizer.encode(t, add_special_tokens=add_special_tokens)
-                                                for t in texts])
+        return await asyncio.to_thread(lambda: [encode(self.tokenizer, t, add_special_tokens) for t in texts])
 
     async def render_chat(self, messages: list[ChatMessage], *args) -> tuple[str, list[int]]:
         """The chat template and its token ids, off the event loop (render_chat's arguments after messages)."""
