@@ -6,9 +6,13 @@
 # it). Requests are tiny (a short prompt, max_tokens 1). Prints the latency p50/p99 of each path and their
 # difference, the p50/p99 of the per-pair difference, the router's own histogram
 # (tokenmill_router:overhead_seconds: arrival to forwarding) and its CPU time per request.
+# OUTPUT_TOKENS=16-64 STREAM=1: streamed requests whose length is drawn per pair (both of a pair alike,
+# ignore_eos), so that responses do not all end in the same engine step as tiny ones do; TTFT is then
+# compared too.
 #
 # Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/results/router/overhead)
 # Knobs (env): CONCURRENCY (64), REQUESTS: pairs per client (40), THREADS for the replica (2), POLICY (kv), DTYPE (auto);
+# OUTPUT_TOKENS (1, or a range LO-HI), STREAM (0);
 # REPLICA_CPUS, ROUTER_CPUS, CLIENT_CPUS: taskset CPU lists (unset: no pinning), e.g. the replica on one core
 # (THREADS=1 REPLICA_CPUS=0) and the router and clients on the other, as a router does not share a replica's cores
 # in a deployment.
@@ -34,32 +38,50 @@ ROUTER=$!
 until curl -sf http://127.0.0.1:8300/health > /dev/null; do sleep 0.5; done
 
 $(pin "${CLIENT_CPUS:-}") $PY/python - "$OUT" "$CONCURRENCY" "$REQUESTS" <<'PY'
-import asyncio, json, os, sys, time
+import asyncio, json, os, random, sys, time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 out, concurrency, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ROUTER, DIRECT = "http://127.0.0.1:8300", "http://127.0.0.1:8301"
-body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there, how", "max_tokens": 1, "temperature": 0}
+lo, _, hi = os.environ.get("OUTPUT_TOKENS", "1").partition("-")
+output_tokens, stream = (int(lo), int(hi or lo)), os.environ.get("STREAM", "0") == "1"
+rng = random.Random(0)
 latency = {ROUTER: [], DIRECT: []}
-
+ttft = {ROUTER: [], DIRECT: []}
 pair_difference = []  # via the router minus direct, per pair
+ttft_pair_difference = []
 
-async def one(http, base):
+async def one(http, base, body):
+    """(latency, TTFT) in ms; TTFT only when streamed."""
     t = time.perf_counter()
-    r = await http.post(base + "/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return (time.perf_counter() - t) * 1e3
+    if not stream:
+        r = await http.post(base + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return (time.perf_counter() - t) * 1e3, None
+    first = None
+    async with http.stream("POST", base + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for chunk in r.aiter_bytes():
+            if first is None and b'"text"' in chunk:
+                first = time.perf_counter()
+    return (time.perf_counter() - t) * 1e3, (first - t) * 1e3
 
 async def client(http, i):
     # Each of C/2 clients sends a pair at a time: the same request via the router and directly, at the same
     # moment (which goes first alternates), so that both meet the same engine queue and step: the difference is
     # the router's. C requests are in flight.
     for n in range(requests):
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there, how", "temperature": 0,
+                "max_tokens": rng.randint(*output_tokens), "ignore_eos": True, "stream": stream}
         order = [ROUTER, DIRECT] if (i + n) % 2 else [DIRECT, ROUTER]
-        times = dict(zip(order, await asyncio.gather(*(one(http, base) for base in order))))
-        for base, ms in times.items():
+        results = dict(zip(order, await asyncio.gather(*(one(http, base, body) for base in order))))
+        for base, (ms, first_ms) in results.items():
             latency[base].append(ms)
-        pair_difference.append(times[ROUTER] - times[DIRECT])
+            if first_ms is not None:
+                ttft[base].append(first_ms)
+        pair_difference.append(results[ROUTER][0] - results[DIRECT][0])
+        if stream:
+            ttft_pair_difference.append(results[ROUTER][1] - results[DIRECT][1])
 
 def router_metrics():
     values = {}
@@ -72,7 +94,7 @@ async def main():
     limits = httpx.Limits(max_connections=2 * concurrency, max_keepalive_connections=2 * concurrency)
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         await asyncio.gather(*(client(http, i) for i in range(concurrency // 2)))  # a warm-up round
-        for v in (*latency.values(), pair_difference):
+        for v in (*latency.values(), *ttft.values(), pair_difference, ttft_pair_difference):
             v.clear()
         before = router_metrics()
         t = time.perf_counter()
@@ -89,12 +111,20 @@ def value(metrics, name, **labels):
     return sum(s.value for s in metrics.get(name, []) if all(s.labels.get(k) == x for k, x in labels.items()))
 
 res = {"concurrency": concurrency, "requests_per_path": len(latency[ROUTER]), "duration_s": round(elapsed, 2),
+       "output_tokens": output_tokens, "stream": stream,
        "pinning": {k: os.environ.get(k) for k in ("THREADS", "REPLICA_CPUS", "ROUTER_CPUS", "CLIENT_CPUS")}}
 for name, base in (("via_router", ROUTER), ("direct", DIRECT)):
     res[name] = {"p50_ms": round(pct(latency[base], 0.5), 2), "p99_ms": round(pct(latency[base], 0.99), 2)}
 res["router_added_ms"] = {q: round(res["via_router"][q] - res["direct"][q], 2) for q in ("p50_ms", "p99_ms")}
-res["pair_difference_ms"] = {"p50_ms": round(pct(pair_difference, 0.5), 2), "p99_ms": round(pct(pair_difference, 0.99), 2),
-                             "mean_ms": round(sum(pair_difference) / len(pair_difference), 2)}
+def pair_summary(v):
+    return {"p50_ms": round(pct(v, 0.5), 2), "p99_ms": round(pct(v, 0.99), 2), "mean_ms": round(sum(v) / len(v), 2)}
+res["pair_difference_ms"] = pair_summary(pair_difference)
+if stream:
+    res["ttft"] = {name: {"p50_ms": round(pct(ttft[base], 0.5), 2), "p99_ms": round(pct(ttft[base], 0.99), 2)}
+                   for name, base in (("via_router", ROUTER), ("direct", DIRECT))}
+    res["ttft"]["router_added_ms"] = {q: round(res["ttft"]["via_router"][q] - res["ttft"]["direct"][q], 2)
+                                      for q in ("p50_ms", "p99_ms")}
+    res["ttft"]["pair_difference_ms"] = pair_summary(ttft_pair_difference)
 # the router's own view: arrival to forwarding, from its histogram (bucket bounds)
 count = value(after, "tokenmill_router:overhead_seconds_count") - value(before, "tokenmill_router:overhead_seconds_count")
 buckets = sorted({float(s.labels["le"]) for s in after["tokenmill_router:overhead_seconds_bucket"]})
