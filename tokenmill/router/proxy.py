@@ -37,6 +37,7 @@ from tokenmill.router.router_config import RouterConfig
 from tokenmill.router.tenants import AdmissionQueue, Rejected, Tenant, TenantRegistry, retry_after_header
 from tokenmill.router.tracing import RouterTracer
 from tokenmill.server.errors import error_response
+from tokenmill.tokenizer import INLINE_ENCODE_CHARS
 
 logger = logging.getLogger("tokenmill.router.proxy")
 
@@ -46,9 +47,6 @@ _SKIP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "
 _SKIP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"}
 RETRY_AFTER_S = "1"  # every replica failed or none is admitted: the next health check may admit one
 MAX_USAGE_BODY = 8 << 20  # a non-streamed response larger than this is not parsed for its usage
-# a body up to this size is tokenized on the event loop (tens of microseconds; a hop to a thread costs more), a
-# larger one in a thread, so that a long prompt's tokenizing and templating do not hold up every other request
-INLINE_TOKENIZE_BYTES = 4096
 
 
 @dataclass
@@ -167,7 +165,7 @@ async def forward(state: RouterState, request: Request, path: str, route: str) -
     except ValueError:  # msgspec.DecodeError included
         body = None  # forwarded as is: the replica answers 400
     session_header = request.headers.get("x-session-id")
-    if len(raw) <= INLINE_TOKENIZE_BYTES:
+    if len(raw) <= INLINE_ENCODE_CHARS:  # the body's bytes bound its prompt's characters
         route_request = _route_request(state, route, body, session_header)
     else:
         route_request = await asyncio.to_thread(_route_request, state, route, body, session_header)

@@ -1,7 +1,8 @@
 """The samples of one API request, as the server reads them: a GenerationStream.
 
 It fans the request out into engine requests (n samples per prompt), detokenizes their tokens, applies stop
-strings (aborting the engine request on a match), and yields per-sample deltas. Leaving its `with` block aborts
+strings (aborting the engine request on a match), and yields per-sample deltas. Leaving its `with` block (or
+close(), for a response that never started reading it) aborts
 whatever still runs in the engine, so a client that goes away frees its KV blocks at once; fail() does the same
 for a stream the server gives up on (its engine died, or its client stopped reading)."""
 from __future__ import annotations
@@ -64,6 +65,7 @@ class GenerationStream:
     on_close: Callable[[GenerationStream], None] | None = None
     last_read: float = field(default_factory=time.monotonic)  # when the reader last asked for output
     error: Exception | None = None  # set by fail(): raised to the reader
+    submitted: bool = False
 
     def __post_init__(self):
         n = self.params.n
@@ -74,7 +76,12 @@ class GenerationStream:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt)
                 self.samples[engine_id] = _Sample(p * n + i, engine_id, params, detokenizer)
 
-    def __enter__(self) -> GenerationStream:
+    def submit(self) -> None:
+        """Sends the samples to the engine, once. The server does so right after its queue check, with no await
+        between: a burst of requests checked first and sent later would all pass the check together."""
+        if self.submitted:
+            return
+        self.submitted = True
         try:
             # one message: the engine starts every sample (every beam of a beam-search step) in the same step
             self.client.add_requests([(engine_id, self.prompts[sample.index // self.params.n], sample.params)
@@ -85,6 +92,9 @@ class GenerationStream:
             self.close()
             raise
         self.client.stream_opened(self)
+
+    def __enter__(self) -> GenerationStream:
+        self.submit()
         return self
 
     def __exit__(self, *exc) -> None:

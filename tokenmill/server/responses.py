@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from fastapi.responses import Response
@@ -52,11 +52,14 @@ async def until_disconnected(receive, work: Awaitable):
 
 class EventStreamResponse(Response):
     """Server-sent events from an async generator, which is closed (aborting its engine requests) as soon as the
-    client goes away, even while no event is due."""
+    client goes away, even while no event is due. on_close: the engine stream's close(), for a client that went
+    away before the generator started (closing a generator that never ran runs none of its cleanup)."""
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 on_close: Callable[[], None] | None = None):
         self.events = events
+        self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", **(headers or {})})
@@ -74,3 +77,5 @@ class EventStreamResponse(Response):
             pass
         finally:
             await self.events.aclose()
+            if self.on_close is not None:
+                self.on_close()

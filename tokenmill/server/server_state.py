@@ -21,7 +21,7 @@ from tokenmill.server.errors import ModelNotFound, Overloaded
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import ChatMessage
 from tokenmill.server.server_config import ServerConfig
-from tokenmill.tokenizer import encode
+from tokenmill.tokenizer import INLINE_ENCODE_CHARS, encode
 
 
 @dataclass
@@ -106,14 +106,23 @@ class ServerState:
                              f"the length of the {param}.", param)
 
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Prompts as token ids, off the event loop."""
+        """Prompts as token ids: short ones on the event loop, longer ones off it (INLINE_ENCODE_CHARS)."""
         self.check_text_length(max(len(t) for t in texts), "prompt")
+        if sum(len(t) for t in texts) <= INLINE_ENCODE_CHARS:
+            return [encode(self.tokenizer, t, add_special_tokens) for t in texts]
         return await asyncio.to_thread(lambda: [encode(self.tokenizer, t, add_special_tokens) for t in texts])
 
-    async def render_chat(self, messages: list[ChatMessage], *args) -> tuple[str, list[int]]:
-        """The chat template and its token ids, off the event loop (render_chat's arguments after messages)."""
-        self.check_text_length(sum(_num_chars(m) for m in messages), "messages")
-        return await asyncio.to_thread(render_chat, self.tokenizer, messages, *args)
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          continue_final_message: bool, chat_template_kwargs: dict | None,
+                          tools: list | None) -> tuple[str, list[int]]:
+        """The chat template and its token ids: a short conversation without tools on the event loop, others off
+        it (INLINE_ENCODE_CHARS), as the router does."""
+        num_chars = sum(_num_chars(m) for m in messages)
+        self.check_text_length(num_chars, "messages")
+        args = (self.tokenizer, messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+        if num_chars <= INLINE_ENCODE_CHARS and not tools:
+            return render_chat(*args)
+        return await asyncio.to_thread(render_chat, *args)
 
 
 def _num_chars(message: ChatMessage) -> int:

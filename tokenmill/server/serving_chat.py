@@ -76,7 +76,8 @@ class OpenAIServingChat(OpenAIServing):
         model, created, n = state.served_model_name(lora), int(time.time()), stream.params.n
         if req.stream:  # one conversation: a batch cannot stream (protocol.BatchChatCompletionRequest)
             return EventStreamResponse(self.events(stream, prompts[0], model, created, *self.stream_usage(req),
-                                                   output_parser, echo_texts[0], bool(req.return_token_ids), as_ids))
+                                                   output_parser, echo_texts[0], bool(req.return_token_ids), as_ids),
+                                       on_close=stream.close)
         choices = await self.run_to_completion(raw, stream, len(prompts) * n)
         if isinstance(choices, Response):
             return choices

@@ -49,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
         as_ids = self.tokens_as_ids(req)
         if req.stream:
             return EventStreamResponse(self.events(stream, prompts, echo_texts, model, created, *self.stream_usage(req),
-                                                   bool(req.return_token_ids), as_ids))
+                                                   bool(req.return_token_ids), as_ids), on_close=stream.close)
         choices = await self.run_to_completion(raw, stream, len(prompts) * n)
         if isinstance(choices, Response):
             return choices

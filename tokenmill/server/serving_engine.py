@@ -190,6 +190,7 @@ class OpenAIServing:
             state.validate(ids, params, priority)
         state.check_queue([ids for ids in prompts for _ in range(params.n)])
         stream = state.client.generate(request_id, prompts, params, state.tokenizer, priority, lora_request)
+        stream.submit()  # in the same event-loop turn as the check (GenerationStream.submit)
         if state.tracer is not None:
             stream.trace = RequestTrace(
                 request_id, operation, state.served_model_name(lora_request), dict(raw.headers), params.max_tokens,
@@ -305,3 +306,5 @@ class OpenAIServing:
         except ClientDisconnected:
             logger.info("client went away; aborted %s", stream.request_id)
             return Response(status_code=499)
+        finally:
+            stream.close()  # collect's `with` does it, unless the client left before collect began

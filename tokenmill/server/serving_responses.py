@@ -245,7 +245,8 @@ class OpenAIServingResponses(OpenAIServing):
         tool_parser = TOOL_PARSERS[state.config.auto_tool_call_parser]() if tool_mode == "auto" else None
         parser = ChatOutputParser(splitter, True, tool_mode, tool_parser, named_tool)
         if req.stream:
-            return EventStreamResponse(self.events(stream, echo, prompt_ids, parser, conversation, req.store))
+            return EventStreamResponse(self.events(stream, echo, prompt_ids, parser, conversation, req.store),
+                                       on_close=stream.close)
         choices = await self.run_to_completion(raw, stream, 1)
         if isinstance(choices, Response):
             return choices
