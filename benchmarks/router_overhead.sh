@@ -9,6 +9,10 @@
 # OUTPUT_TOKENS=16-64 STREAM=1: streamed requests whose length is drawn per pair (both of a pair alike,
 # ignore_eos), so that responses do not all end in the same engine step as tiny ones do; TTFT is then
 # compared too.
+# VIA=relay: a control. A bare TCP relay (bytes copied both ways, nothing parsed) stands where the router stood,
+# pinned the same way, so that what any extra hop in front of the replica costs (a copy reaching the engine a
+# fraction of a millisecond after its twin, and missing the step its twin started) shows apart from what the
+# router's own work costs.
 #
 # Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/results/router/overhead)
 # Knobs (env): CONCURRENCY (64), REQUESTS: pairs per client (40), THREADS for the replica (2), POLICY (kv), DTYPE (auto);
@@ -32,17 +36,42 @@ OMP_NUM_THREADS=$THREADS TOKENMILL_NO_PROGRESS=1 $(pin "${REPLICA_CPUS:-}") $PY/
 REPLICA=$!
 trap 'kill $REPLICA ${ROUTER:-} 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 until curl -sf http://127.0.0.1:8301/health/ready > /dev/null; do sleep 1; done
+if [ "${VIA:-router}" = relay ]; then
+  $(pin "${ROUTER_CPUS:-}") $PY/python - > "$OUT/relay.log" 2>&1 <<'PY' &
+import asyncio, uvloop
+
+async def pipe(reader, writer):
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()
+
+async def relay(client_reader, client_writer):
+    replica_reader, replica_writer = await asyncio.open_connection("127.0.0.1", 8301)
+    await asyncio.gather(pipe(client_reader, replica_writer), pipe(replica_reader, client_writer))
+
+async def main():
+    server = await asyncio.start_server(relay, "127.0.0.1", 8300)
+    await server.serve_forever()
+
+uvloop.run(main())  # the router's event loop too
+PY
+else
 $(pin "${ROUTER_CPUS:-}") $PY/tokenmill router --port 8300 --policy "$POLICY" --backend http://127.0.0.1:8301 \
   --kv-events-endpoint tcp://127.0.0.1:5641 --kv-events-replay-endpoint tcp://127.0.0.1:5642 > "$OUT/router.log" 2>&1 &
+fi
 ROUTER=$!
 until curl -sf http://127.0.0.1:8300/health > /dev/null; do sleep 0.5; done
 
 $(pin "${CLIENT_CPUS:-}") $PY/python - "$OUT" "$CONCURRENCY" "$REQUESTS" <<'PY'
 import asyncio, json, os, random, sys, time
-import httpx
+import aiohttp, httpx
 from prometheus_client.parser import text_string_to_metric_families
 out, concurrency, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-ROUTER, DIRECT = "http://127.0.0.1:8300", "http://127.0.0.1:8301"
+ROUTER, DIRECT = "http://127.0.0.1:8300", "http://127.0.0.1:8301"  # ROUTER: the router, or the relay (VIA)
+via = os.environ.get("VIA", "router")
 lo, _, hi = os.environ.get("OUTPUT_TOKENS", "1").partition("-")
 output_tokens, stream = (int(lo), int(hi or lo)), os.environ.get("STREAM", "0") == "1"
 rng = random.Random(0)
@@ -54,14 +83,14 @@ ttft_pair_difference = []
 async def one(http, base, body):
     """(latency, TTFT) in ms; TTFT only when streamed."""
     t = time.perf_counter()
-    if not stream:
-        r = await http.post(base + "/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return (time.perf_counter() - t) * 1e3, None
-    first = None
-    async with http.stream("POST", base + "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for chunk in r.aiter_bytes():
+    async with http.post(base + "/v1/completions", json=body) as r:
+        if not stream:
+            text = await r.read()
+            assert r.status == 200, text
+            return (time.perf_counter() - t) * 1e3, None
+        assert r.status == 200, await r.read()
+        first = None
+        async for chunk in r.content.iter_any():
             if first is None and b'"text"' in chunk:
                 first = time.perf_counter()
     return (time.perf_counter() - t) * 1e3, (first - t) * 1e3
@@ -84,6 +113,8 @@ async def client(http, i):
             ttft_pair_difference.append(results[ROUTER][1] - results[DIRECT][1])
 
 def router_metrics():
+    if via == "relay":
+        return {}
     values = {}
     for family in text_string_to_metric_families(httpx.get(ROUTER + "/metrics").text):
         for s in family.samples:
@@ -91,8 +122,10 @@ def router_metrics():
     return values
 
 async def main():
-    limits = httpx.Limits(max_connections=2 * concurrency, max_keepalive_connections=2 * concurrency)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+    # aiohttp, not httpx: the clients share the 2 cores with the replica, and aiohttp spends a fraction of httpx's
+    # CPU per request (less of the replica's queue is the load generator's)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=120)) as http:
         await asyncio.gather(*(client(http, i) for i in range(concurrency // 2)))  # a warm-up round
         for v in (*latency.values(), *ttft.values(), pair_difference, ttft_pair_difference):
             v.clear()
@@ -111,20 +144,24 @@ def value(metrics, name, **labels):
     return sum(s.value for s in metrics.get(name, []) if all(s.labels.get(k) == x for k, x in labels.items()))
 
 res = {"concurrency": concurrency, "requests_per_path": len(latency[ROUTER]), "duration_s": round(elapsed, 2),
-       "output_tokens": output_tokens, "stream": stream,
+       "output_tokens": output_tokens, "stream": stream, "via": via,
        "pinning": {k: os.environ.get(k) for k in ("THREADS", "REPLICA_CPUS", "ROUTER_CPUS", "CLIENT_CPUS")}}
-for name, base in (("via_router", ROUTER), ("direct", DIRECT)):
+for name, base in ((f"via_{via}", ROUTER), ("direct", DIRECT)):
     res[name] = {"p50_ms": round(pct(latency[base], 0.5), 2), "p99_ms": round(pct(latency[base], 0.99), 2)}
-res["router_added_ms"] = {q: round(res["via_router"][q] - res["direct"][q], 2) for q in ("p50_ms", "p99_ms")}
+res[f"{via}_added_ms"] = {q: round(res[f"via_{via}"][q] - res["direct"][q], 2) for q in ("p50_ms", "p99_ms")}
 def pair_summary(v):
     return {"p50_ms": round(pct(v, 0.5), 2), "p99_ms": round(pct(v, 0.99), 2), "mean_ms": round(sum(v) / len(v), 2)}
 res["pair_difference_ms"] = pair_summary(pair_difference)
 if stream:
     res["ttft"] = {name: {"p50_ms": round(pct(ttft[base], 0.5), 2), "p99_ms": round(pct(ttft[base], 0.99), 2)}
-                   for name, base in (("via_router", ROUTER), ("direct", DIRECT))}
-    res["ttft"]["router_added_ms"] = {q: round(res["ttft"]["via_router"][q] - res["ttft"]["direct"][q], 2)
+                   for name, base in ((f"via_{via}", ROUTER), ("direct", DIRECT))}
+    res["ttft"][f"{via}_added_ms"] = {q: round(res["ttft"][f"via_{via}"][q] - res["ttft"]["direct"][q], 2)
                                       for q in ("p50_ms", "p99_ms")}
     res["ttft"]["pair_difference_ms"] = pair_summary(ttft_pair_difference)
+print(json.dumps(res, indent=2))
+json.dump(res, open(f"{out}/overhead.json", "w"), indent=2)
+if via == "relay":
+    sys.exit(0)
 # the router's own view: arrival to forwarding, from its histogram (bucket bounds)
 count = value(after, "tokenmill_router:overhead_seconds_count") - value(before, "tokenmill_router:overhead_seconds_count")
 buckets = sorted({float(s.labels["le"]) for s in after["tokenmill_router:overhead_seconds_bucket"]})
@@ -141,6 +178,6 @@ res["router_overhead_histogram"] = {"p50_ms_at_most": bound(0.5), "p99_ms_at_mos
 finished = value(after, "tokenmill_router:finished_requests_total") - value(before, "tokenmill_router:finished_requests_total")
 cpu = value(after, "tokenmill_router:cpu_seconds") - value(before, "tokenmill_router:cpu_seconds")
 res["router_cpu_ms_per_request"] = round(1e3 * cpu / max(finished, 1), 3)
-print(json.dumps(res, indent=2))
+print(json.dumps({k: res[k] for k in ("router_overhead_histogram", "router_cpu_ms_per_request")}, indent=2))
 json.dump(res, open(f"{out}/overhead.json", "w"), indent=2)
 PY

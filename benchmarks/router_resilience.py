@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+import aiohttp
 import httpx
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -116,19 +117,27 @@ def chat_body(system: str, question: str, max_tokens: int) -> dict:
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, key: str | None = None) -> dict:
+def streaming_client(connections: int = 100, timeout_s: float = 120) -> aiohttp.ClientSession:
+    """The clients' HTTP sessions: aiohttp, not httpx, as the clients share the 2 cores with the replicas and the
+    router, and aiohttp spends a fraction of httpx's CPU per request and per event."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+async def stream_chat(client: aiohttp.ClientSession, url: str, body: dict, key: str | None = None) -> dict:
     """One streamed request: status, whether any content arrived, TTFT, the text, and an error if one came."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     start = time.perf_counter()
     result = {"status": None, "started": False, "ttft": None, "text": "", "error": None, "replica": None,
               "began": time.monotonic(), "ended": None}
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
-            result["status"], result["replica"] = r.status_code, r.headers.get("x-tokenmill-replica")
-            if r.status_code != 200:
-                result["error"] = (await r.aread())[:200].decode(errors="replace")
+        async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+            result["status"], result["replica"] = r.status, r.headers.get("x-tokenmill-replica")
+            if r.status != 200:
+                result["error"] = (await r.read())[:200].decode(errors="replace")
                 return result
-            async for line in r.aiter_lines():
+            async for raw in r.content:  # line by line
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
@@ -141,7 +150,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, key: str 
                         if not result["started"]:
                             result["started"], result["ttft"] = True, time.perf_counter() - start
                         result["text"] += content
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         result["error"] = repr(e)
     result["ended"] = time.monotonic()
     return result
@@ -156,7 +165,7 @@ async def flood(router: str, clients: int, stop) -> tuple[list[int], list[dict]]
     statuses, and when and where each admitted one ran (began, ended, replica)."""
     statuses: list[int] = []
     admitted: list[dict] = []
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with streaming_client() as client:
         async def flooder(j: int) -> None:
             n = 0
             while not stop.is_set():
@@ -183,7 +192,7 @@ def flood_process(router: str, clients: int, started, stop, results) -> None:
 async def tenants_phase(router: str, quiet_requests: int) -> dict:
     """The flood runs in a process of its own, as another tenant's clients would: in the quiet client's event loop,
     reading 160 refusals a second would delay the quiet client's own reads and count as TTFT."""
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with streaming_client() as client:
         async def quiet_run() -> list[dict]:
             out = []
             for i in range(quiet_requests):
@@ -247,7 +256,7 @@ async def run_at(router: str, bodies: list[dict], concurrency: int, during=None)
     """The requests at a fixed concurrency; `during(results_so_far)` runs beside them (the fault injector)."""
     results: list[dict | None] = [None] * len(bodies)
     queue = list(range(len(bodies)))
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    async with streaming_client(concurrency + 4, 300) as client:
         async def worker() -> None:
             while queue:
                 i = queue.pop(0)
@@ -318,7 +327,7 @@ async def restart_phase(router: str, victim: Replica) -> dict:
     """Back on the same ports; it fills its cache; then kill -9 and an immediate restart with no traffic."""
     victim.start()
     victim.wait_ready()
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with streaming_client() as client:
         deadline = time.monotonic() + 30
         while metric(router, "tokenmill_router:replica_healthy", replica=victim.url) != 1:
             assert time.monotonic() < deadline, "the restarted replica was not re-admitted"
