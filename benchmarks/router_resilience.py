@@ -307,15 +307,17 @@ async def faults_phase(router: str, replicas: list[Replica], n: int, max_tokens:
     faulted = await run_at(router, bodies, 16, inject)
     failed = [i for i, r in enumerate(faulted) if r["error"] is not None or r["status"] != 200]
     differ = [i for i, (a, b) in enumerate(zip(faulted, reference)) if a["text"] != b["text"]]
-    # committed to the victim and still streaming when it died: only a resumed stream can end well
+    # committed to the victim and still open at the client when it died. Those the victim had not finished
+    # generating can only end well if resumed (resumed_streams: the router's own count); the rest were already
+    # on their way to the client.
     resumed = [i for i, r in enumerate(faulted) if r["replica"] == killed["victim"].url and r["ended"] > killed["at"]]
     return {
         "requests": n, "concurrency": 16, "max_tokens": max_tokens, "finished_before_kill": killed["finished"],
         "victim_in_flight_at_kill": killed["in_flight"], "victim_index_blocks_at_kill": killed["blocks"],
         "failed": len(failed), "failed_samples": [faulted[i]["error"] for i in failed[:5]],
         "failed_before_first_byte": sum(not faulted[i]["started"] for i in failed),
-        "resumed_streams_seen_by_clients": len(resumed),
-        "resumed_texts_differing_from_fault_free_run": len([i for i in resumed if i in differ]),
+        "victim_streams_open_at_kill": len(resumed),
+        "victim_texts_differing_from_fault_free_run": len([i for i in resumed if i in differ]),
         "all_texts_differing_from_fault_free_run": len(differ),
         "resumed_streams": metric(router, "tokenmill_router:resumed_streams_total") - resumed_before,
         "retried_requests": metric(router, "tokenmill_router:retries_total") - retries_before,
