@@ -233,7 +233,9 @@ class OpenAIServing:
             limit = max_tokens if max_tokens is not None else state.engine.max_model_len - len(ids)
             params.append(BeamSearchParams(req.n, limit, req.ignore_eos, temperature, req.length_penalty,
                                            req.include_stop_str_in_output, req.early_stopping))
-        state.check_queue(prompts)  # the first step: one request per prompt
+        # the first step: one request per prompt. Its requests go out when the reader starts, not here as in
+        # start(), so a burst of beam searches can pass this check together
+        state.check_queue(prompts)
         return BeamSearchStream(state.client, request_id, prompts, params, state.tokenizer, req.priority,
                                 num_logprobs, req.skip_special_tokens, lora_request)
 
