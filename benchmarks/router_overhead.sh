@@ -113,7 +113,7 @@ async def client(http, i):
             ttft_pair_difference.append(results[ROUTER][1] - results[DIRECT][1])
 
 def router_metrics():
-    if via == "relay":
+    if via == "relay":  # a relay has no metrics of its own
         return {}
     values = {}
     for family in text_string_to_metric_families(httpx.get(ROUTER + "/metrics").text):
@@ -158,26 +158,25 @@ if stream:
     res["ttft"][f"{via}_added_ms"] = {q: round(res["ttft"][f"via_{via}"][q] - res["ttft"]["direct"][q], 2)
                                       for q in ("p50_ms", "p99_ms")}
     res["ttft"]["pair_difference_ms"] = pair_summary(ttft_pair_difference)
+def router_view(before, after):
+    """The router's own view: arrival to forwarding, from its histogram (bucket bounds), and its CPU per request."""
+    count = value(after, "tokenmill_router:overhead_seconds_count") - value(before, "tokenmill_router:overhead_seconds_count")
+    buckets = sorted({float(s.labels["le"]) for s in after["tokenmill_router:overhead_seconds_bucket"]})
+    def bound(q):
+        for le in buckets:
+            n = value(after, "tokenmill_router:overhead_seconds_bucket", le=str(le)) - \
+                value(before, "tokenmill_router:overhead_seconds_bucket", le=str(le))
+            if count and n >= q * count:
+                return le * 1e3
+    overhead_sum = value(after, "tokenmill_router:overhead_seconds_sum") - value(before, "tokenmill_router:overhead_seconds_sum")
+    finished = value(after, "tokenmill_router:finished_requests_total") - value(before, "tokenmill_router:finished_requests_total")
+    cpu = value(after, "tokenmill_router:cpu_seconds") - value(before, "tokenmill_router:cpu_seconds")
+    return {"router_overhead_histogram": {"p50_ms_at_most": bound(0.5), "p99_ms_at_most": bound(0.99),
+                                          "mean_ms": round(1e3 * overhead_sum / max(count, 1), 3)},
+            "router_cpu_ms_per_request": round(1e3 * cpu / max(finished, 1), 3)}
+
+if via == "router":
+    res.update(router_view(before, after))
 print(json.dumps(res, indent=2))
-json.dump(res, open(f"{out}/overhead.json", "w"), indent=2)
-if via == "relay":
-    sys.exit(0)
-# the router's own view: arrival to forwarding, from its histogram (bucket bounds)
-count = value(after, "tokenmill_router:overhead_seconds_count") - value(before, "tokenmill_router:overhead_seconds_count")
-buckets = sorted({float(s.labels["le"]) for s in after["tokenmill_router:overhead_seconds_bucket"]})
-def bound(q):
-    for le in buckets:
-        n = value(after, "tokenmill_router:overhead_seconds_bucket", le=str(le)) - \
-            value(before, "tokenmill_router:overhead_seconds_bucket", le=str(le))
-        if count and n >= q * count:
-            return le * 1e3
-res["router_overhead_histogram"] = {"p50_ms_at_most": bound(0.5), "p99_ms_at_most": bound(0.99),
-                                    "mean_ms": round(1e3 * (value(after, "tokenmill_router:overhead_seconds_sum") -
-                                                            value(before, "tokenmill_router:overhead_seconds_sum"))
-                                                     / max(count, 1), 3)}
-finished = value(after, "tokenmill_router:finished_requests_total") - value(before, "tokenmill_router:finished_requests_total")
-cpu = value(after, "tokenmill_router:cpu_seconds") - value(before, "tokenmill_router:cpu_seconds")
-res["router_cpu_ms_per_request"] = round(1e3 * cpu / max(finished, 1), 3)
-print(json.dumps({k: res[k] for k in ("router_overhead_histogram", "router_cpu_ms_per_request")}, indent=2))
 json.dump(res, open(f"{out}/overhead.json", "w"), indent=2)
 PY

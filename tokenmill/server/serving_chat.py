@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -75,9 +75,8 @@ class OpenAIServingChat(OpenAIServing):
             stream = self.start(request_id, prompts, params, req.priority, raw, "chat", lora)
         model, created, n = state.served_model_name(lora), int(time.time()), stream.params.n
         if req.stream:  # one conversation: a batch cannot stream (protocol.BatchChatCompletionRequest)
-            return EventStreamResponse(self.events(stream, prompts[0], model, created, *self.stream_usage(req),
-                                                   output_parser, echo_texts[0], bool(req.return_token_ids), as_ids),
-                                       on_close=stream.close)
+            return self.streamed_response(stream, prompts[0], model, created, *self.stream_usage(req),
+                                          output_parser, echo_texts[0], bool(req.return_token_ids), as_ids)
         choices = await self.run_to_completion(raw, stream, len(prompts) * n)
         if isinstance(choices, Response):
             return choices
@@ -158,9 +157,9 @@ class OpenAIServingChat(OpenAIServing):
                                               list(text.encode()), top))
         return p.ChatLogprobs(content)
 
-    def events(self, stream: GenerationStream, prompt_ids: list[int], model: str, created: int,
-               include_usage: bool, continuous_usage: bool, output_parser: Callable[[], ChatOutputParser],
-               echo_text: str, return_token_ids: bool, as_ids: bool) -> AsyncIterator[bytes]:
+    def streamed_response(self, stream: GenerationStream, prompt_ids: list[int], model: str, created: int,
+                          include_usage: bool, continuous_usage: bool, output_parser: Callable[[], ChatOutputParser],
+                          echo_text: str, return_token_ids: bool, as_ids: bool) -> EventStreamResponse:
         rid, n = stream.request_id, stream.params.n
         want_logprobs = stream.params.logprobs is not None
         parsers = [output_parser() for _ in range(n)]
@@ -202,4 +201,4 @@ class OpenAIServingChat(OpenAIServing):
         first = b"".join(chunk(i, p.DeltaMessage(role="assistant", content=""), first=True) for i in range(n))
         if echo_text:  # vLLM: a chunk per choice with the echoed content, after the role
             first += b"".join(chunk(i, p.DeltaMessage(content=echo_text)) for i in range(n))
-        return self.stream_events(stream, first, events_for, usage_event if include_usage else None)
+        return self.stream_response(stream, first, events_for, usage_event if include_usage else None)

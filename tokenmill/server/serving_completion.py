@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -48,8 +47,8 @@ class OpenAIServingCompletion(OpenAIServing):
         model, created, n = state.served_model_name(lora), int(time.time()), stream.params.n
         as_ids = self.tokens_as_ids(req)
         if req.stream:
-            return EventStreamResponse(self.events(stream, prompts, echo_texts, model, created, *self.stream_usage(req),
-                                                   bool(req.return_token_ids), as_ids), on_close=stream.close)
+            return self.streamed_response(stream, prompts, echo_texts, model, created, *self.stream_usage(req),
+                                          bool(req.return_token_ids), as_ids)
         choices = await self.run_to_completion(raw, stream, len(prompts) * n)
         if isinstance(choices, Response):
             return choices
@@ -95,9 +94,9 @@ class OpenAIServingCompletion(OpenAIServing):
             out.top_logprobs.append(top)
         return out
 
-    def events(self, stream: GenerationStream, prompts: list[list[int]], echo_texts: list[str] | None, model: str,
-               created: int, include_usage: bool, continuous_usage: bool, return_token_ids: bool,
-               as_ids: bool) -> AsyncIterator[bytes]:
+    def streamed_response(self, stream: GenerationStream, prompts: list[list[int]], echo_texts: list[str] | None,
+                          model: str, created: int, include_usage: bool, continuous_usage: bool,
+                          return_token_ids: bool, as_ids: bool) -> EventStreamResponse:
         n, rid, k = stream.params.n, stream.request_id, stream.params.logprobs
         num_choices = len(prompts) * n
         offsets = [len(echo_texts[i // n]) if echo_texts else 0 for i in range(num_choices)]  # of the next token
@@ -135,4 +134,4 @@ class OpenAIServingCompletion(OpenAIServing):
             usage = self.usage(prompts, num_tokens, stream.num_cached_tokens)
             return sse_event(p.CompletionResponse(rid, created, model, [], usage))
 
-        return self.stream_events(stream, first, events_for, usage_event if include_usage else None)
+        return self.stream_response(stream, first, events_for, usage_event if include_usage else None)

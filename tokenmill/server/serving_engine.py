@@ -17,7 +17,7 @@ from tokenmill.server import protocol as p
 from tokenmill.server.beam_search_stream import BeamSearchStream
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.errors import sse_error_event
-from tokenmill.server.responses import DONE, ClientDisconnected, until_disconnected
+from tokenmill.server.responses import DONE, ClientDisconnected, EventStreamResponse, until_disconnected
 from tokenmill.server.server_state import ServerState
 from tokenmill.server.tracing import RequestTrace
 
@@ -259,48 +259,52 @@ class OpenAIServing:
 
     @staticmethod
     async def collect(stream: GenerationStream, num_choices: int) -> list[CollectedChoice]:
+        """Every delta of `stream`, gathered per choice (run_to_completion closes the stream)."""
         choices = [CollectedChoice() for _ in range(num_choices)]
-        with stream:
-            async for deltas in stream:
-                for d in deltas:
-                    c = choices[d.index]
-                    c.text += d.text
-                    c.num_tokens += len(d.token_ids)
-                    c.token_ids += d.token_ids
-                    if d.logprobs:
-                        c.logprobs.extend(d.logprobs)
-                    if d.prompt_logprobs:
-                        c.prompt_logprobs.extend(d.prompt_logprobs)
-                    if d.finish_reason is not None:
-                        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        async for deltas in stream:
+            for d in deltas:
+                c = choices[d.index]
+                c.text += d.text
+                c.num_tokens += len(d.token_ids)
+                c.token_ids += d.token_ids
+                if d.logprobs:
+                    c.logprobs.extend(d.logprobs)
+                if d.prompt_logprobs:
+                    c.prompt_logprobs.extend(d.prompt_logprobs)
+                if d.finish_reason is not None:
+                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
         return choices
 
     @staticmethod
-    async def stream_events(stream: GenerationStream, first: bytes, events_for: Callable[[SampleDelta], list[bytes]],
-                            usage_event: Callable[[int], bytes] | None, done: bytes = DONE) -> AsyncIterator[bytes]:
-        """A response's SSE body: `first`, then the events of each delta as the engine produces them (one write per
-        batch), then the usage chunk (given the number of generated tokens) when asked for, then `done` ([DONE];
-        the Responses API sends nothing). A failure after the status line went out ends the stream with an error
-        event."""
-        num_tokens = 0
-        with stream:
-            try:
-                if first:
-                    yield first
-                async for deltas in stream:
-                    events = []
-                    for d in deltas:
-                        num_tokens += len(d.token_ids)
-                        events += events_for(d)
-                    if events:
-                        yield b"".join(events)
-            except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream, then end it
-                yield sse_error_event(e, stream.request_id) + done
-                return
-        if usage_event is not None:
-            yield usage_event(num_tokens)
-        if done:
-            yield done
+    def stream_response(stream: GenerationStream, first: bytes, events_for: Callable[[SampleDelta], list[bytes]],
+                        usage_event: Callable[[int], bytes] | None, done: bytes = DONE) -> EventStreamResponse:
+        """A streamed response. Its SSE body: `first`, then the events of each delta as the engine produces them
+        (one write per batch), then the usage chunk (given the number of generated tokens) when asked for, then
+        `done` ([DONE]; the Responses API sends nothing). A failure after the status line went out ends the stream
+        with an error event. The stream is closed when its output ends, or when the response does if the client
+        left before the body began."""
+        async def body() -> AsyncIterator[bytes]:
+            num_tokens = 0
+            with stream:
+                try:
+                    if first:
+                        yield first
+                    async for deltas in stream:
+                        events = []
+                        for d in deltas:
+                            num_tokens += len(d.token_ids)
+                            events += events_for(d)
+                        if events:
+                            yield b"".join(events)
+                except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream, then end it
+                    yield sse_error_event(e, stream.request_id) + done
+                    return
+            if usage_event is not None:
+                yield usage_event(num_tokens)
+            if done:
+                yield done
+
+        return EventStreamResponse(body(), on_close=stream.close)
 
     async def run_to_completion(self, raw: Request, stream: GenerationStream, num_choices: int):
         try:
@@ -309,4 +313,4 @@ class OpenAIServing:
             logger.info("client went away; aborted %s", stream.request_id)
             return Response(status_code=499)
         finally:
-            stream.close()  # collect's `with` does it, unless the client left before collect began
+            stream.close()  # however it ended, the client's leaving included

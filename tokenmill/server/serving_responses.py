@@ -245,8 +245,7 @@ class OpenAIServingResponses(OpenAIServing):
         tool_parser = TOOL_PARSERS[state.config.auto_tool_call_parser]() if tool_mode == "auto" else None
         parser = ChatOutputParser(splitter, True, tool_mode, tool_parser, named_tool)
         if req.stream:
-            return EventStreamResponse(self.events(stream, echo, prompt_ids, parser, conversation, req.store),
-                                       on_close=stream.close)
+            return self.streamed_response(stream, echo, prompt_ids, parser, conversation, req.store)
         choices = await self.run_to_completion(raw, stream, 1)
         if isinstance(choices, Response):
             return choices
@@ -325,8 +324,8 @@ class OpenAIServingResponses(OpenAIServing):
                 self.stored.popitem(last=False)
         return response
 
-    def events(self, stream: GenerationStream, echo: dict, prompt_ids: list[int], parser: ChatOutputParser,
-               conversation: list[p.ChatMessage], store: bool):
+    def streamed_response(self, stream: GenerationStream, echo: dict, prompt_ids: list[int], parser: ChatOutputParser,
+                          conversation: list[p.ChatMessage], store: bool) -> EventStreamResponse:
         assembler = OutputAssembler(streaming=True)
         for name in ("response.created", "response.in_progress"):
             assembler.emit(rp.LifecycleEvent, name, rp.ResponseObject(**echo, status="in_progress", output=[]))
@@ -348,7 +347,7 @@ class OpenAIServingResponses(OpenAIServing):
             assembler.emit(rp.LifecycleEvent, f"response.{response.status}", response)
             return b"".join(assembler.take_events())
 
-        return self.stream_events(stream, first, events_for, last_event, done=b"")
+        return self.stream_response(stream, first, events_for, last_event, done=b"")
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
