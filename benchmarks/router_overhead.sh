@@ -13,6 +13,9 @@
 # pinned the same way, so that what any extra hop in front of the replica costs (a copy reaching the engine a
 # fraction of a millisecond after its twin, and missing the step its twin started) shows apart from what the
 # router's own work costs.
+# VIA=lean, VIA=lean-asgi: a second control, benchmarks/lean_proxy.py: the routing work (tokens, block keys, the
+# index) and a pooled upstream connection, with none of the router's other work; lean-asgi serves it under
+# uvicorn as an ASGI app, as the router is served.
 #
 # Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/results/router/overhead)
 # Knobs (env): CONCURRENCY (64), REQUESTS: pairs per client (40), THREADS for the replica (2), POLICY (kv), DTYPE (auto);
@@ -58,6 +61,9 @@ async def main():
 
 uvloop.run(main())  # the router's event loop too
 PY
+elif [ "${VIA:-router}" = lean ] || [ "${VIA:-router}" = lean-asgi ]; then
+  $(pin "${ROUTER_CPUS:-}") $PY/python benchmarks/lean_proxy.py 8300 8301 $([ "$VIA" = lean-asgi ] && echo --asgi) \
+    > "$OUT/lean.log" 2>&1 &
 else
 $(pin "${ROUTER_CPUS:-}") $PY/tokenmill router --port 8300 --policy "$POLICY" --backend http://127.0.0.1:8301 \
   --kv-events-endpoint tcp://127.0.0.1:5641 --kv-events-replay-endpoint tcp://127.0.0.1:5642 > "$OUT/router.log" 2>&1 &
@@ -70,7 +76,7 @@ import asyncio, json, os, random, sys, time
 import aiohttp, httpx
 from prometheus_client.parser import text_string_to_metric_families
 out, concurrency, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-ROUTER, DIRECT = "http://127.0.0.1:8300", "http://127.0.0.1:8301"  # ROUTER: the router, or the relay (VIA)
+ROUTER, DIRECT = "http://127.0.0.1:8300", "http://127.0.0.1:8301"  # ROUTER: the router, or a control (VIA)
 via = os.environ.get("VIA", "router")
 lo, _, hi = os.environ.get("OUTPUT_TOKENS", "1").partition("-")
 output_tokens, stream = (int(lo), int(hi or lo)), os.environ.get("STREAM", "0") == "1"
@@ -113,7 +119,7 @@ async def client(http, i):
             ttft_pair_difference.append(results[ROUTER][1] - results[DIRECT][1])
 
 def router_metrics():
-    if via == "relay":  # a relay has no metrics of its own
+    if via != "router":  # the relay and the lean proxy have no metrics of their own
         return {}
     values = {}
     for family in text_string_to_metric_families(httpx.get(ROUTER + "/metrics").text):
