@@ -26,9 +26,11 @@ import uvloop
 
 from tokenmill.models.paths import resolve_model_path
 from tokenmill.router.kv_index import KVIndex, prompt_block_hashes
-from tokenmill.tokenizer import encode, load_tokenizer
+from tokenmill.router.prompt_tokens import PromptTokenizer
+from tokenmill.router.router_config import RouterConfig
+from tokenmill.tokenizer import load_tokenizer
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = RouterConfig.block_size  # the router's default
 
 
 class Upstream(asyncio.Protocol):
@@ -134,16 +136,15 @@ class AsgiExchange:
 
 class LeanProxy:
     def __init__(self, replica_port: int, tokenizer):
-        self.replica_port, self.tokenizer = replica_port, tokenizer
+        self.replica_port, self.tokenizer = replica_port, PromptTokenizer(tokenizer)
         self.index = KVIndex("replica", BLOCK_SIZE)
         self.pool: list[Upstream] = []
-        self.predicted = 0
 
     def forward(self, client, method: bytes, url: bytes, body: bytes) -> None:
-        prompt = msgspec.json.decode(body).get("prompt") if body else None
-        if isinstance(prompt, str):  # the routing work: tokens, block keys, the index's prediction
-            hashes = prompt_block_hashes(encode(self.tokenizer, prompt), BLOCK_SIZE)
-            self.predicted += self.index.predicted_cached_tokens(hashes)
+        # the routing work, as the router does it: the prompt's tokens, its block keys, the index's prediction
+        token_ids = self.tokenizer.token_ids("completions", msgspec.json.decode(body)) if body else None
+        if token_ids is not None:
+            self.index.predicted_cached_tokens(prompt_block_hashes(token_ids, BLOCK_SIZE))
         head = (b"%s %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
                 % (method, url, len(body)))
         if self.pool:
