@@ -75,7 +75,7 @@ class Replica:
         self.log_path = os.path.join(out, f"replica-{i}.log")
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, nice: int = 0) -> None:
         events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{self.pub}",
                   "replay_endpoint": f"tcp://*:{self.replay}", "topic": "kv"}
         cmd = [os.path.join(os.path.dirname(sys.executable), "tokenmill"), "serve", "--port", str(self.port),
@@ -85,6 +85,11 @@ class Replica:
         # its own process group, so that kill -9 takes the engine process with it, as a crashed node does
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENMILL_NO_PROGRESS": "1"})
+        if nice:
+            # A session of its own is a scheduling group of its own (Linux autogroups, as a container is a cgroup):
+            # the group's nice level sets its CPU share against the others', as a container's CPU weight would
+            with open(f"/proc/{self.proc.pid}/autogroup", "w") as f:
+                f.write(str(nice))
 
     def wait_ready(self) -> None:
         wait_http(self.url + "/health/ready", self.proc)
@@ -356,6 +361,10 @@ def main() -> None:
     parser.add_argument("--flood-rpm", type=float, default=20, help="the flooding tenant's RPM limit: what it is "
                         "allowed; each admitted request is 32 tokens, so on a slow machine 20 RPM keeps a replica "
                         "busy all the time")
+    parser.add_argument("--isolate-flood", action="store_true", help="the tenants config puts the flooding tenant "
+                        "on replica 3 and the quiet one on replicas 1 and 2 (their `replicas`)")
+    parser.add_argument("--flood-nice", type=int, default=0, help="with --isolate-flood: the flood's replica "
+                        "runs at this nice level (an operator's lower CPU share for a batch pool)")
     parser.add_argument("--fault-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--phases", default="tenants,faults", help="which of tenants, faults (faults includes the "
@@ -367,14 +376,17 @@ def main() -> None:
     replicas = [Replica(args.out, i) for i in range(3)]
     router_proc = None
     try:
-        for r in replicas:
-            r.start()
+        for i, r in enumerate(replicas):
+            r.start(args.flood_nice if args.isolate_flood and i == 2 else 0)
         for r in replicas:
             r.wait_ready()
         tenants = os.path.join(args.out, "tenants.json")
+        quiet = {"tenant": "quiet", "rpm": 600}
+        flood = {"tenant": "flood", "rpm": args.flood_rpm, "max_parallel_requests": 1}
+        if args.isolate_flood:
+            quiet["replicas"], flood["replicas"] = [r.url for r in replicas[:2]], [replicas[2].url]
         with open(tenants, "w") as f:
-            json.dump({"key-quiet": {"tenant": "quiet", "rpm": 600},
-                       "key-flood": {"tenant": "flood", "rpm": args.flood_rpm, "max_parallel_requests": 1}}, f)
+            json.dump({"key-quiet": quiet, "key-flood": flood}, f)
         port = free_port()
         router = f"http://127.0.0.1:{port}"
         cmd = [os.path.join(os.path.dirname(sys.executable), "tokenmill"), "router", "--port", str(port),
@@ -387,7 +399,9 @@ def main() -> None:
         wait_http(router + "/health", router_proc)
         result = {}
         if "tenants" in phases:
-            result["tenants"] = asyncio.run(tenants_phase(router, args.quiet_requests))
+            result["tenants"] = {"flood_rpm": args.flood_rpm, "isolate_flood": args.isolate_flood,
+                                 "flood_nice": args.flood_nice if args.isolate_flood else 0,
+                                 **asyncio.run(tenants_phase(router, args.quiet_requests))}
             print(json.dumps(result["tenants"], indent=1), flush=True)
         if "faults" in phases:
             # the faults phase needs no key: a new router without --tenants-config

@@ -39,11 +39,13 @@ from tokenmill.engine.kv_events import (
     encode_batch,
 )
 from tokenmill.engine.request import Request
+from tokenmill.router.app import build_state
 from tokenmill.router.kv_index import KVEventSubscriber, KVIndex, prompt_block_hashes
 from tokenmill.router.policy import KVAware, RoundRobin, RouteRequest, SessionAffinity
 from tokenmill.router.replicas import Replica, replica_reported_load
 from tokenmill.router.resume import ResumableStream, why_not_resumable
-from tokenmill.router.tenants import AdmissionQueue, Rejected, Tenant, TenantSpec, TokenBucket
+from tokenmill.router.router_config import RouterConfig
+from tokenmill.router.tenants import AdmissionQueue, Rejected, Tenant, TenantSpec, TokenBucket, load_tenants
 from tokenmill.sampling_params import SamplingParams
 
 H1, H2, H3 = (bytes([i]) * 32 for i in (1, 2, 3))
@@ -233,6 +235,20 @@ def test_token_buckets_refill_and_a_tenant_meets_its_own_limits():
     # a request refused by its RPM is refused before the router tokenizes it
     tenant = Tenant(TenantSpec("t", rpm=1))
     assert tenant.admit(10) is None and tenant.refusal_before_tokenizing()[0] == "rpm"
+
+
+def test_a_tenant_pool_must_name_the_routers_replicas(tmp_path):
+    a, b = (Replica(url, KVIndex(url, 16)) for url in ("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    assert Tenant(TenantSpec("t", replicas=["http://127.0.0.1:2/"])).may_use([a, b]) == [b]
+    assert Tenant(TenantSpec("t")).may_use([a, b]) == [a, b]
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"k": {"tenant": "t", "replicas": []}}))
+    with pytest.raises(ValueError, match="replicas of key ...k is empty"):
+        load_tenants(str(path))
+    path.write_text(json.dumps({"k": {"tenant": "t", "replicas": ["http://127.0.0.1:3"]}}))
+    config = RouterConfig(backend=[a.url, b.url], tenants_config=str(path))
+    with pytest.raises(ValueError, match="names http://127.0.0.1:3, not a --backend"):
+        build_state(config, tokenizer=None)
 
 
 def test_admission_queue_bounds_waiters_and_times_them_out():
@@ -530,7 +546,8 @@ def test_a_stream_resumed_from_its_token_ids_reads_as_a_fault_free_one(replicas_
 
 def test_tenants_a_flooding_tenant_gets_429s_while_a_quiet_one_is_served(replicas_server, tmp_path):
     keys = {"key-flood": {"tenant": "flood", "rpm": 4}, "key-quiet": {"tenant": "quiet", "rpm": 600},
-            "key-tokens": {"tenant": "tokens", "tpm": 60}, "key-one": {"tenant": "one", "max_parallel_requests": 1}}
+            "key-tokens": {"tenant": "tokens", "tpm": 60}, "key-one": {"tenant": "one", "max_parallel_requests": 1},
+            "key-pinned": {"tenant": "pinned", "replicas": [replicas_server[1].url + "/"]}}
     (tmp_path / "tenants.json").write_text(json.dumps(keys))
     router = RouterProcess([*_router_args(replicas_server, "round_robin"),
                             "--tenants-config", str(tmp_path / "tenants.json")])
@@ -564,10 +581,36 @@ def test_tenants_a_flooding_tenant_gets_429s_while_a_quiet_one_is_served(replica
             codes = sorted(f.result().status_code for f in pair)
         assert codes == [200, 429], codes
         assert ask("key-one").status_code == 200  # its place came back when the first ended
+        # a tenant on a pool of its own: round-robin alternates the others, never it
+        pinned = [ask("key-pinned") for _ in range(4)]
+        assert [r.headers["x-tokenmill-replica"] for r in pinned] == [replicas_server[1].url] * 4
+        assert {ask("key-quiet").headers["x-tokenmill-replica"] for _ in range(2)} == {r.url for r in replicas_server}
         assert _metric(router, "tokenmill_router:rejections_total", tenant="flood", reason="rpm") \
             == statuses.count(429)
         assert _metric(router, "tokenmill_router:rejections_total", tenant="tokens", reason="tpm") == 1
         assert _metric(router, "tokenmill_router:rejections_total", tenant="", reason="unauthorized") == 2
+    finally:
+        router.stop()
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_replicas_generation(replicas_server):
+    """The router closes the replica's connection when its client's goes: the replica aborts the generation
+    instead of running it to its 1,800 tokens for nobody."""
+    router = RouterProcess(_router_args(replicas_server, "round_robin"))
+    path, body = _long_request("completions", 1800)
+
+    def replica_load(url: str) -> int:
+        return replica_reported_load(httpx.get(url + "/metrics", timeout=10).text)
+    try:
+        with httpx.stream("POST", router.url + path, json=body, timeout=120) as stream:
+            assert stream.status_code == 200
+            next(stream.iter_bytes())
+            replica = stream.headers["x-tokenmill-replica"]
+            assert replica_load(replica) == 1
+        # the client closed its connection after its first chunk
+        wait_until(lambda: replica_load(replica) == 0, timeout_s=10, message=lambda: router.log_tail())
+        assert _metric(router, "tokenmill_router:in_flight_requests", replica=replica) == 0
+        assert router.chat("Still there?").status_code == 200
     finally:
         router.stop()
 

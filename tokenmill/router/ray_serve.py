@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.router.app import build_app, build_state, join, leave, load_router_tokenizer
-from tokenmill.router.replicas import TRANSPORT_ERRORS, Replica, ReplicaClient, replica_reported_load
+from tokenmill.router.replica_client import TRANSPORT_ERRORS, ReplicaClient
+from tokenmill.router.replicas import Replica, replica_reported_load
 from tokenmill.router.router_config import RouterConfig
 from tokenmill.server.lifecycle import Lifecycle
 

@@ -10,8 +10,7 @@ check it also reads the replica's own `vllm:num_requests_running` and `vllm:num_
 work from other clients and routers. A replica's load is the router's count plus whatever the replica reported
 beyond the router's count at that moment.
 
-The HTTP client to the replicas is aiohttp's: httpx (httpcore) looks at every pooled connection on every request
-(an expiry check with a poll syscall each), which at c=64 was most of the router's CPU per request."""
+The HTTP client to the replicas is tokenmill/router/replica_client.py."""
 from __future__ import annotations
 
 import asyncio
@@ -19,43 +18,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from tokenmill.router.kv_index import KVIndex
+from tokenmill.router.replica_client import TRANSPORT_ERRORS, ReplicaClient
 
 logger = logging.getLogger("tokenmill.router.replicas")
 
 DEFAULT_COOLDOWN_S = 5.0  # after a 503 without a usable Retry-After
-# what a failed exchange with a replica raises: refused or broken connections, bad responses, timeouts
-TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-
-
-class ReplicaClient:
-    """The router's connection pool to its replicas, opened on first use (aiohttp binds a session to the running
-    event loop, which the router's state may be built before). Bodies pass through as they are (no decompression),
-    and nothing is added to a request but what the router sets."""
-
-    def __init__(self, read_timeout_s: float, connect_timeout_s: float = 2.0):
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), timeout=self.timeout,
-                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
-        return self._session
-
-    async def get(self, url: str, timeout_s: float | None = None) -> tuple[int, bytes, dict[str, str]]:
-        """GET url: (status, body, headers)."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
-        async with self.session.get(url, timeout=timeout) as response:
-            return response.status, await response.read(), dict(response.headers)
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
 
 
 @dataclass(eq=False)

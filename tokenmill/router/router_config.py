@@ -52,9 +52,10 @@ class RouterConfig(CliConfig):
         "help": "times one stream may be resumed on another replica after its replica failed mid-stream (0: end "
                 "the stream with an error event instead)"})
     tenants_config: str | None = field(default=None, metadata={
-        "help": "JSON file of API keys, each {\"tenant\": name, \"rpm\": N, \"tpm\": N}: every request then needs "
-                "'Authorization: Bearer <key>' and meets its tenant's requests- and tokens-per-minute limits (429 "
-                "with Retry-After); the key is not forwarded to the replicas"})
+        "help": "JSON file of API keys, each {\"tenant\": name, \"rpm\": N, \"tpm\": N, \"max_parallel_requests\": "
+                "N, \"replicas\": [URL, ...]}: every request then needs 'Authorization: Bearer <key>' and meets its "
+                "tenant's limits (429 with Retry-After), and goes only to the tenant's replicas if it names any; "
+                "the key is not forwarded to the replicas"})
     max_concurrent_requests: int = field(default=0, metadata={
         "help": "requests the router has in flight over all tenants; more wait in the admission queue (0: no "
                 "limit, no queue)"})

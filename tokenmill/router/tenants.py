@@ -27,10 +27,15 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True):
     rpm: float | None = None  # None: no limit
     tpm: float | None = None
     max_parallel_requests: int | None = None  # LiteLLM's name: the tenant's requests in flight at once
+    # the replicas (their --backend URLs) this tenant's requests may go to; None: any. A tenant class on a pool of
+    # its own, as LiteLLM's tag-based routing puts tenants on deployments: batch traffic on replicas that
+    # interactive traffic never waits behind
+    replicas: list[str] | None = None
 
 
 def load_tenants(path: str) -> dict[str, TenantSpec]:
-    """The --tenants-config file: JSON, API key → {"tenant": name, "rpm": N, "tpm": N, "max_parallel_requests": N}."""
+    """The --tenants-config file: JSON, API key → {"tenant": name, "rpm": N, "tpm": N, "max_parallel_requests": N,
+    "replicas": [URL, ...]}."""
     with open(path, "rb") as f:
         try:
             specs = msgspec.json.decode(f.read(), type=dict[str, TenantSpec])
@@ -41,6 +46,8 @@ def load_tenants(path: str) -> dict[str, TenantSpec]:
             value = getattr(spec, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--tenants-config {path}: {name} of key ...{key[-4:]} must be positive")
+        if spec.replicas is not None and not spec.replicas:
+            raise ValueError(f"--tenants-config {path}: replicas of key ...{key[-4:]} is empty")
     return specs
 
 
@@ -76,7 +83,12 @@ class Tenant:
         self.requests = TokenBucket(spec.rpm) if spec.rpm else None
         self.tokens = TokenBucket(spec.tpm) if spec.tpm else None
         self.max_parallel = spec.max_parallel_requests
+        self.replicas = frozenset(url.rstrip("/") for url in spec.replicas) if spec.replicas else None
         self.in_flight = 0
+
+    def may_use(self, replicas: list) -> list:
+        """Those of `replicas` this tenant's requests may go to."""
+        return replicas if self.replicas is None else [r for r in replicas if r.url.rstrip("/") in self.replicas]
 
     def refusal_before_tokenizing(self) -> tuple[str, float] | None:
         """The limits that need no token count (requests per minute, requests in flight), checked before the
