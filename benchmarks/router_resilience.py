@@ -20,8 +20,14 @@ paths), and a resumed stream is recomputed in another batch on another replica.
    all, and the same time is measured (the health check ejects it; an engine that came back before a check is
    recognised by its KV event sequence starting again). The line: within 2 s.
 
+Tenant pools (--isolate-flood): the tenants config gives the flood replica 3 and the quiet tenant replicas 1 and 2
+(their `replicas`), as an operator puts batch traffic on a pool of its own; --flood-nice N runs the flood's
+replica at a lower CPU weight (its session's autogroup nice level, as a container's CPU weight), since on this one
+machine the pools still share 2 cores.
+
 Usage: .venv/bin/python benchmarks/router_resilience.py [OUT_DIR]   (default benchmarks/results/router/resilience)
-Knobs: --quiet-requests N (40), --flood-rpm N (20), --fault-requests N (32), --max-tokens N (64 in phase 2), --phases tenants,faults."""
+Knobs: --quiet-requests N (40), --flood-rpm N (20), --fault-requests N (32), --max-tokens N (64 in phase 2),
+--phases tenants,faults, --isolate-flood, --flood-nice N."""
 from __future__ import annotations
 
 import argparse

@@ -196,7 +196,9 @@ def run_from_cli(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}") from None
     lifecycle = Lifecycle(config.shutdown_timeout)
     app = build_app(state, lifecycle)
+    # proxy_headers off: nothing in the router reads the client's address, and uvicorn's middleware for it wraps
+    # every request
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                                           log_config=None, timeout_keep_alive=30), lifecycle)
+                                           log_config=None, timeout_keep_alive=30, proxy_headers=False), lifecycle)
     server.run()
     return lifecycle.exit_code
