@@ -189,6 +189,11 @@ def percentiles(latencies: list[float]) -> dict:
             "mean_ms": round(1000 * statistics.fmean(latencies), 3)}
 
 
+def git_commit(tree: str) -> str | None:
+    done = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or None
+
+
 def start_router(port: int, replica_port: int, cpu: int, tree: str | None) -> subprocess.Popen:
     """`tokenmill router` from this checkout, or from another one (`tree`: its root) for a before/after in one run."""
     pin = ["taskset", "-c", str(cpu)] if cpu >= 0 else []
@@ -271,7 +276,8 @@ def main() -> None:
         replica.wait(10)
     result = {"concurrency": args.concurrency, "requests_per_round": args.requests, "stream": args.stream,
               "chat": args.chat, "router_cpu": args.router_cpu, "client_cpu": args.client_cpu,
-              "compare_tree": args.compare_tree,
+              "commit": git_commit("."), "compare_tree": args.compare_tree,
+              "compare_commit": git_commit(args.compare_tree) if args.compare_tree else None,
               **{f"{name}_cpu_ms_per_request_median": statistics.median(r[name]["cpu_ms_per_request"] for r in rounds)
                  for name in routers},
               "rounds": rounds}

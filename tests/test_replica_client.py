@@ -119,6 +119,28 @@ def test_a_stream_arrives_chunk_by_chunk_and_its_connection_is_pooled_after_its_
     assert run(scenario()) == 1
 
 
+def test_the_read_timeout_counts_from_the_last_byte_not_from_the_request(scripted):
+    """A stream whose chunks come 0.2 s apart runs past a 0.3 s read timeout; one that then stalls is cut."""
+    async def scenario():
+        server, url = await scripted()
+        client = ReplicaClient(read_timeout_s=0.3)
+        response = await client.post(url, "/stream", b"{}", {})
+        chunks = response.iter_chunks()
+        assert await anext(chunks) == b"first\n"
+        for event in (ScriptedServer.release_second, ScriptedServer.release_end):
+            await asyncio.sleep(0.2)
+            event.set()
+        assert [c async for c in chunks] == [b"second\n"]  # 0.4 s after the request, whole
+        response.release()
+        ScriptedServer.release_second, ScriptedServer.release_end = asyncio.Event(), asyncio.Event()
+        stalled = await client.post(url, "/stream", b"{}", {})
+        with pytest.raises(asyncio.TimeoutError):
+            async for _ in stalled.iter_chunks():
+                pass
+        server.close()
+    run(scenario())
+
+
 def test_a_stream_left_before_its_end_closes_its_connection(scripted):
     """A client that went away: the replica must see the connection close (that is how it stops generating)."""
     async def scenario():

@@ -139,6 +139,9 @@ class Connection(asyncio.Protocol):
         self._stop_timer()
         self.response = None
         if reusable and self.keep_alive and not self.closed:
+            if self.paused:  # the answer's end came in before the pause took hold
+                self.paused = False
+                self.transport.resume_reading()
             self.pool._idle_connection(self)
         else:
             self.close()
