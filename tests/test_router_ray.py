@@ -205,3 +205,10 @@ def test_serve_ray_scales_on_the_engine_queue_and_routes_prefixes_to_their_cache
     # both replicas served: the first the burst, the one that joined the burst's end or the prefix workload
     served = _requests_by_replica(url)
     assert served.get(first[0], 0) > 0 and served.get(joined, 0) > 0, served
+    # a stream through Serve's proxy and the router's relay arrives whole, to its [DONE]
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as stream:
+        body = b"".join(stream.iter_bytes())
+    assert stream.status_code == 200 and body.rstrip().endswith(b"data: [DONE]"), body[-300:]
+    assert body.count(b'"text"') >= 8
