@@ -22,14 +22,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import httptools
+import psutil
 import uvloop
+from router_resilience import free_port, wait_http  # this directory's: the benchmarks share their helpers
 
 MODEL = "SmolLM2-135M-Instruct"
 COMPLETION = json.dumps({
@@ -157,30 +158,8 @@ async def run_round(port: int, requests: int, concurrency: int, stream: bool, ch
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(port: int, proc: subprocess.Popen, path: bytes = b"/health", timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the process on port {port} exited with {proc.returncode}"
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"GET %s HTTP/1.1\r\nhost: x\r\n\r\n" % path)
-                if s.recv(64).startswith(b"HTTP/1.1 200"):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"port {port} not ready in {timeout_s} s")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def percentiles(latencies: list[float]) -> dict:
@@ -237,9 +216,9 @@ def main() -> None:
     py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy"
     rounds = []
     try:
-        wait_ready(replica_port, replica, b"/health/ready")
+        wait_http(f"http://127.0.0.1:{replica_port}/health/ready", replica)
         for name, proc in procs.items():
-            wait_ready(ports[name], proc)
+            wait_http(f"http://127.0.0.1:{ports[name]}/health", proc)
             uvloop.run(run_round(ports[name], 500, args.concurrency, args.stream, args.chat))  # warm-up
         for r in range(args.rounds):
             direct = uvloop.run(run_round(replica_port, args.requests, args.concurrency, args.stream, args.chat))

@@ -73,6 +73,14 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def post_and_read(client: ReplicaClient, url: str, path: str) -> bytes:
+    """A POST whose answer is read whole; its connection goes back to the pool."""
+    response = await client.post(url, path, b"{}", {})
+    body = await response.read()
+    response.release()
+    return body
+
+
 def test_a_pooled_connection_carries_one_request_after_another(scripted):
     async def scenario():
         server, url = await scripted()
@@ -110,9 +118,7 @@ def test_a_stream_arrives_chunk_by_chunk_and_its_connection_is_pooled_after_its_
         response.release(answer_over=True)
         ScriptedServer.release_end.set()
         await asyncio.sleep(0.05)
-        again = await client.post(url, "/json", b"{}", {})
-        assert await again.read() == b'{"ok":true}'
-        again.release()
+        assert await post_and_read(client, url, "/json") == b'{"ok":true}'
         await client.aclose()
         server.close()
         return ScriptedServer.connections
@@ -151,9 +157,7 @@ def test_a_stream_left_before_its_end_closes_its_connection(scripted):
         response.release()
         await asyncio.sleep(0.05)
         closed = response.connection.closed
-        again = await client.post(url, "/json", b"{}", {})
-        await again.read()
-        again.release()
+        await post_and_read(client, url, "/json")
         server.close()
         return closed, ScriptedServer.connections
     assert run(scenario()) == (True, 2)
@@ -163,12 +167,10 @@ def test_a_connection_closed_while_pooled_is_replaced_once(scripted):
     async def scenario():
         server, url = await scripted()
         client = ReplicaClient(read_timeout_s=5)
-        first = await client.post(url, "/close-after", b"{}", {})
-        assert await first.read() == b'{"ok":true}'
-        first.release()  # pooled: the client has not yet seen the server's close
-        second = await client.post(url, "/json", b"{}", {})  # written on the closed one, then sent anew
-        assert await second.read() == b'{"ok":true}'
-        second.release()
+        # pooled after the first: the client has not yet seen the server's close
+        assert await post_and_read(client, url, "/close-after") == b'{"ok":true}'
+        # written on the closed one, then sent anew
+        assert await post_and_read(client, url, "/json") == b'{"ok":true}'
         server.close()
         return ScriptedServer.connections
     assert run(scenario()) == 2

@@ -244,7 +244,7 @@ def test_a_tenant_pool_must_name_the_routers_replicas(tmp_path):
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps({"k": {"tenant": "t", "replicas": []}}))
     with pytest.raises(ValueError, match="replicas of key ...k is empty"):
-        load_tenants(str(path))
+        load_tenants(str(path), [a.url, b.url])
     path.write_text(json.dumps({"k": {"tenant": "t", "replicas": ["http://127.0.0.1:3"]}}))
     config = RouterConfig(backend=[a.url, b.url], tenants_config=str(path))
     with pytest.raises(ValueError, match="names http://127.0.0.1:3, not a --backend"):

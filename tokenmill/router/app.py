@@ -37,13 +37,7 @@ logger = logging.getLogger("tokenmill.router")
 def build_state(config: RouterConfig, tokenizer) -> RouterState:
     client = ReplicaClient(config.request_timeout)
     replicas = [Replica(url, KVIndex(url, config.block_size)) for url in config.backend]
-    specs = load_tenants(config.tenants_config) if config.tenants_config else None
-    backends = {url.rstrip("/") for url in config.backend}
-    for spec in (specs or {}).values():
-        unknown = [url for url in spec.replicas or () if url.rstrip("/") not in backends]
-        if unknown:
-            raise ValueError(f"--tenants-config: tenant {spec.tenant!r} names {unknown[0]}, not a --backend")
-    tenants = TenantRegistry(specs) if specs else None
+    tenants = TenantRegistry(load_tenants(config.tenants_config, config.backend)) if config.tenants_config else None
     return RouterState(config, ReplicaSet(replicas, client, config.health_check_interval),
                        make_policy(config.policy, config.load_tokens_per_request, config.session_load_factor),
                        PromptTokenizer(tokenizer), RouterMetrics(), client, tenants,

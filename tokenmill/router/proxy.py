@@ -240,9 +240,7 @@ def _tenant_refused(state: RouterState, tenant: Tenant, limit: str, wait: float)
 
 async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw: bytes, body: dict | None,
                     arrived: float) -> Response:
-    routable = state.replicas.routable()
-    if ex.tenant is not None:
-        routable = ex.tenant.may_use(routable)
+    routable = _routable_for(state, ex)
     if not routable:
         state.metrics.failures.labels("no_replica").inc()
         return _unavailable("no replica is admitted (all failed their health checks or are cooling down)"
@@ -282,6 +280,12 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
         return RelayResponse(ex, relay, upstream.status, response_headers)
     state.metrics.failures.labels("all_attempts_failed").inc()
     return _unavailable(f"no replica could serve the request ({last_failure})")
+
+
+def _routable_for(state: RouterState, ex: Exchange) -> list[Replica]:
+    """The admitted replicas this request may go to: its tenant's, if the tenant names any."""
+    routable = state.replicas.routable()
+    return ex.tenant.may_use(routable) if ex.tenant is not None else routable
 
 
 async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, content: bytes, reason: str,
@@ -393,9 +397,7 @@ async def _relay_resumable(state: RouterState, ex: Exchange, first: bytes, chunk
 
 async def _open_resumed(state: RouterState, ex: Exchange):
     prompt, content = ex.stream.resume_request()
-    candidates = [r for r in state.replicas.routable() if r not in ex.tried]
-    if ex.tenant is not None:
-        candidates = ex.tenant.may_use(candidates)
+    candidates = [r for r in _routable_for(state, ex) if r not in ex.tried]
     if not candidates:
         return "no other replica is admitted"
     route_request = RouteRequest(prompt_block_hashes(prompt, state.config.block_size), len(prompt),

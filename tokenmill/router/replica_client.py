@@ -76,7 +76,7 @@ class ReplicaResponse:
     async def _wait(self) -> None:
         if self._error is not None:
             raise self._error
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self.connection.loop.create_future()
         try:
             await self._waiter
         finally:
@@ -106,42 +106,37 @@ class ReplicaResponse:
 class Connection(asyncio.Protocol):
     """One keep-alive connection to a replica, carrying one request at a time."""
 
-    def __init__(self, pool: ReplicaClient, key: tuple, read_timeout_s: float):
-        self.pool, self.key, self.read_timeout_s = pool, key, read_timeout_s
+    def __init__(self, pool: ReplicaClient, key: tuple):
+        self.pool, self.key = pool, key
+        self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.response: ReplicaResponse | None = None
         self.headers_arrived: asyncio.Future | None = None
         self.received_any = False  # a byte of the current answer arrived
-        self.keep_alive = False
+        self.keep_alive = False  # the answer ended and left the connection open (its end decides)
         self.closed = False
         self.paused = False
         self.draining = False  # the caller is done with the answer; its end is awaited, then the pool
         self.last_data = 0.0
         self.timer: asyncio.TimerHandle | None = None
-        self._header_names: list[bytes] = []
-        self._header_values: list[bytes] = []
+        self._headers: list[tuple[bytes, bytes]] = []
 
     def send(self, head: bytes, body: bytes) -> asyncio.Future:
         """Writes the request; the returned future gets the response once its headers are in."""
-        loop = asyncio.get_running_loop()
         self.response = ReplicaResponse(self)
-        self.headers_arrived = loop.create_future()
-        self.received_any = False
-        self.last_data = loop.time()
-        self.timer = loop.call_later(self.read_timeout_s, self._check_timeout)
-        self.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            self.transport.write(body)
+        self.headers_arrived = self.loop.create_future()
+        self.received_any = self.keep_alive = False
+        self.last_data = self.loop.time()
+        self.timer = self.loop.call_later(self.pool.read_timeout_s, self._check_timeout)
+        self.transport.writelines((head, body))
         return self.headers_arrived
 
     def release(self, reusable: bool) -> None:
         self._stop_timer()
         self.response = None
         if reusable and self.keep_alive and not self.closed:
-            if self.paused:  # the answer's end came in before the pause took hold
-                self.paused = False
-                self.transport.resume_reading()
+            self._resume_reading()  # the answer's end may have come in before a pause took hold
             self.pool._idle_connection(self)
         else:
             self.close()
@@ -151,10 +146,8 @@ class Connection(asyncio.Protocol):
         pooled; if it does not come within DRAIN_S, the connection is closed."""
         self.draining = True
         self._stop_timer()
-        if self.paused:
-            self.paused = False
-            self.transport.resume_reading()
-        self.timer = asyncio.get_running_loop().call_later(DRAIN_S, self.close)
+        self._resume_reading()
+        self.timer = self.loop.call_later(DRAIN_S, self.close)
 
     def close(self) -> None:
         self.closed = True
@@ -163,10 +156,8 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def resume_reading_below(self, buffered: int) -> None:
-        if self.paused and buffered < PAUSE_READING_BYTES // 2:
-            self.paused = False
-            self.last_data = asyncio.get_running_loop().time()
-            self.transport.resume_reading()
+        if buffered < PAUSE_READING_BYTES // 2:
+            self._resume_reading()
 
     # asyncio.Protocol
     def connection_made(self, transport):
@@ -177,7 +168,7 @@ class Connection(asyncio.Protocol):
             self.close()
             return
         self.received_any = True
-        self.last_data = self.pool.loop_time()
+        self.last_data = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -192,18 +183,16 @@ class Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes):
-        self._header_names.append(name)
-        self._header_values.append(value)
+        self._headers.append((name, value))
 
     def on_headers_complete(self):
         headers: dict[str, str] = {}
-        for name, value in zip(self._header_names, self._header_values):
+        for name, value in self._headers:
             name, value = name.decode("latin-1").lower(), value.decode("latin-1")
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
-        self._header_names, self._header_values = [], []
+        self._headers = []
         response = self.response
         response.status, response.headers = self.parser.get_status_code(), headers
-        self.keep_alive = self.parser.should_keep_alive()
         if not self.headers_arrived.done():
             self.headers_arrived.set_result(response)
 
@@ -218,7 +207,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self):
         self._stop_timer()
-        self.keep_alive = self.keep_alive and self.parser.should_keep_alive()
+        self.keep_alive = self.parser.should_keep_alive()
         if self.draining:
             self.draining = False
             self.release(True)
@@ -231,16 +220,22 @@ class Connection(asyncio.Protocol):
         if self.response is not None:
             self.response._fail(error)
 
+    def _resume_reading(self) -> None:
+        if self.paused:
+            self.paused = False
+            self.last_data = self.loop.time()  # the replica's silence while paused was the client's doing
+            self.transport.resume_reading()
+
     def _check_timeout(self) -> None:
-        """The read timeout: no byte from the replica for read_timeout_s while an answer is due (not while
-        paused: then the client is the slow one)."""
-        idle = self.pool.loop_time() - self.last_data
-        if self.paused or idle < self.read_timeout_s:
-            self.timer = asyncio.get_running_loop().call_later(self.read_timeout_s - (0 if self.paused else idle),
-                                                               self._check_timeout)
+        """The read timeout: no byte from the replica for its length while an answer is due (not while paused:
+        then the client is the slow one)."""
+        timeout = self.pool.read_timeout_s
+        idle = self.loop.time() - self.last_data
+        if self.paused or idle < timeout:
+            self.timer = self.loop.call_later(timeout - (0 if self.paused else idle), self._check_timeout)
             return
         self.timer = None
-        self._fail(asyncio.TimeoutError(f"no answer from the replica for {self.read_timeout_s:g} s"))
+        self._fail(asyncio.TimeoutError(f"no answer from the replica for {timeout:g} s"))
         self.close()
 
     def _stop_timer(self) -> None:
@@ -257,14 +252,9 @@ class ReplicaClient:
         self.read_timeout_s, self.connect_timeout_s = read_timeout_s, connect_timeout_s
         self._idle: dict[tuple, list[Connection]] = {}
         self._targets: dict[str, tuple] = {}  # base URL -> (host, port, ssl, Host header)
-        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def loop_time(self) -> float:
-        return self._loop.time()
-
-    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str],
-                   read_timeout_s: float | None = None) -> ReplicaResponse:
-        return await self.request("POST", base_url, path, body, headers, read_timeout_s)
+    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> ReplicaResponse:
+        return await self.request("POST", base_url, path, body, headers)
 
     async def get(self, url: str, timeout_s: float | None = None) -> tuple[int, bytes, dict[str, str]]:
         """GET url, read whole: (status, body, headers). `timeout_s` bounds the whole exchange."""
@@ -274,38 +264,33 @@ class ReplicaClient:
             path += "?" + parts.query
 
         async def exchange():
-            response = await self.request("GET", base, path, b"", {}, timeout_s)
+            response = await self.request("GET", base, path, b"", {})
             try:
                 return response.status, await response.read(), response.headers
             finally:
                 response.release()
         return await asyncio.wait_for(exchange(), timeout_s) if timeout_s is not None else await exchange()
 
-    async def request(self, method: str, base_url: str, path: str, body: bytes, headers: dict[str, str],
-                      read_timeout_s: float | None = None) -> ReplicaResponse:
+    async def request(self, method: str, base_url: str, path: str, body: bytes,
+                      headers: dict[str, str]) -> ReplicaResponse:
         """Sends the request and waits for the answer's status and headers."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
         target = self._targets.get(base_url) or self._target(base_url)
         lines = [f"{method} {path} HTTP/1.1\r\nhost: {target[3]}\r\ncontent-length: {len(body)}\r\n"]
         lines.extend(f"{k}: {v}\r\n" for k, v in headers.items())
         lines.append("\r\n")
         head = "".join(lines).encode("latin-1")
-        timeout = read_timeout_s if read_timeout_s is not None else self.read_timeout_s
         idle = self._idle.get(target)
         while idle:
             connection = idle.pop()
             if connection.closed:
                 continue
-            connection.read_timeout_s = timeout
             try:
-                return await connection.send(head, body)
+                return await _exchange(connection, head, body)
             except ReplicaConnectionError:
                 if connection.received_any:
                     raise
                 break  # closed by the replica while idle, before it read this request: once more, anew
-        connection = await self._connect(target, timeout)
-        return await connection.send(head, body)
+        return await _exchange(await self._connect(target), head, body)
 
     async def aclose(self) -> None:
         for connections in self._idle.values():
@@ -323,11 +308,11 @@ class ReplicaClient:
         self._targets[base_url] = target
         return target
 
-    async def _connect(self, target: tuple, read_timeout_s: float) -> Connection:
+    async def _connect(self, target: tuple) -> Connection:
         host, port, https, _ = target
-        _, connection = await asyncio.wait_for(self._loop.create_connection(
-            lambda: Connection(self, target, read_timeout_s), host, port,
-            ssl=ssl.create_default_context() if https else None), self.connect_timeout_s)
+        _, connection = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
+            lambda: Connection(self, target), host, port, ssl=ssl.create_default_context() if https else None),
+            self.connect_timeout_s)
         return connection
 
     def _idle_connection(self, connection: Connection) -> None:
@@ -341,3 +326,13 @@ class ReplicaClient:
         idle = self._idle.get(connection.key)
         if idle and connection in idle:
             idle.remove(connection)
+
+
+async def _exchange(connection: Connection, head: bytes, body: bytes) -> ReplicaResponse:
+    """The request on `connection`, up to the answer's headers. A wait given up (a caller's timeout, a cancelled
+    task) closes the connection: an answer may still come on it, for nobody."""
+    try:
+        return await connection.send(head, body)
+    except BaseException:
+        connection.close()
+        raise

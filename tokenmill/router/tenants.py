@@ -33,14 +33,15 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True):
     replicas: list[str] | None = None
 
 
-def load_tenants(path: str) -> dict[str, TenantSpec]:
+def load_tenants(path: str, backends: list[str]) -> dict[str, TenantSpec]:
     """The --tenants-config file: JSON, API key → {"tenant": name, "rpm": N, "tpm": N, "max_parallel_requests": N,
-    "replicas": [URL, ...]}."""
+    "replicas": [URL, ...]}; the replicas a tenant names must be among `backends` (--backend)."""
     with open(path, "rb") as f:
         try:
             specs = msgspec.json.decode(f.read(), type=dict[str, TenantSpec])
         except msgspec.ValidationError as e:
             raise ValueError(f"--tenants-config {path}: {e}") from None
+    known = {url.rstrip("/") for url in backends}
     for key, spec in specs.items():
         for name in ("rpm", "tpm", "max_parallel_requests"):
             value = getattr(spec, name)
@@ -48,6 +49,9 @@ def load_tenants(path: str) -> dict[str, TenantSpec]:
                 raise ValueError(f"--tenants-config {path}: {name} of key ...{key[-4:]} must be positive")
         if spec.replicas is not None and not spec.replicas:
             raise ValueError(f"--tenants-config {path}: replicas of key ...{key[-4:]} is empty")
+        unknown = [url for url in spec.replicas or () if url.rstrip("/") not in known]
+        if unknown:
+            raise ValueError(f"--tenants-config: tenant {spec.tenant!r} names {unknown[0]}, not a --backend")
     return specs
 
 
