@@ -13,16 +13,26 @@
 # pinned the same way, so that what any extra hop in front of the replica costs (a copy reaching the engine a
 # fraction of a millisecond after its twin, and missing the step its twin started) shows apart from what the
 # router's own work costs.
+# CONTROL=relay: the bare relay as a third path in the same run (on the router's core): each request is sent
+# three ways at once (C/3 clients), so that the relay's figures, the floor any hop meets, come from the same engine
+# steps as the router's. Also reported: the share of copies answered more than 5 ms after (or before) their direct
+# twin.
 # VIA=lean, VIA=lean-asgi: a second control, benchmarks/lean_proxy.py: the routing work (tokens, block keys, the
 # index) and a pooled upstream connection, with none of the router's other work; lean-asgi serves it under
 # uvicorn as an ASGI app, as the router is served.
 #
 # Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/results/router/overhead)
-# Knobs (env): CONCURRENCY (64), REQUESTS: pairs per client (40), THREADS for the replica (2), POLICY (kv), DTYPE (auto);
+# Knobs (env): CONCURRENCY (64), REQUESTS: pairs (or triples) per client (40), THREADS for the replica (2), POLICY (kv), DTYPE (auto);
 # OUTPUT_TOKENS (1, or a range LO-HI), STREAM (0);
-# REPLICA_CPUS, ROUTER_CPUS, CLIENT_CPUS: taskset CPU lists (unset: no pinning), e.g. the replica on one core
-# (THREADS=1 REPLICA_CPUS=0) and the router and clients on the other, as a router does not share a replica's cores
-# in a deployment.
+# REPLICA_CPUS, ROUTER_CPUS, CLIENT_CPUS: taskset CPU lists (unset: no pinning); CLIENT_NICE: the clients' nice
+# level (0).
+# The placement that stands for a deployment on 2 cores, where neither the replica nor the router shares a core
+# with its clients: THREADS=1 REPLICA_CPUS=0 ROUTER_CPUS=1 CLIENT_CPUS=1 CLIENT_NICE=10. The clients use a few
+# percent of a core and yield theirs to the router (nice 10), which then runs as soon as a request reaches it.
+# Clients on the replica's core (CLIENT_CPUS=0) hand their direct copies to the replica on its own core, ahead of
+# any copy through a hop: a quarter of a bare relay's copies are then answered >5 ms after their twins (session
+# 16, benchmarks/results/router/overhead/README.md). Clients sharing the router's core at the same priority make
+# the router wait behind their bursts.
 # A tiny check: CONCURRENCY=4 REQUESTS=3 benchmarks/router_overhead.sh /tmp/ro
 set -euo pipefail
 OUT=${1:-benchmarks/results/router/overhead}
@@ -37,11 +47,11 @@ OMP_NUM_THREADS=$THREADS TOKENMILL_NO_PROGRESS=1 $(pin "${REPLICA_CPUS:-}") $PY/
   --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5641", "replay_endpoint": "tcp://*:5642"}' \
   > "$OUT/replica.log" 2>&1 &
 REPLICA=$!
-trap 'kill $REPLICA ${ROUTER:-} 2>/dev/null || true; wait 2>/dev/null || true' EXIT
+trap 'kill $REPLICA ${ROUTER:-} ${CONTROL_PID:-} 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 until curl -sf http://127.0.0.1:8301/health/ready > /dev/null; do sleep 1; done
-if [ "${VIA:-router}" = relay ]; then
-  $(pin "${ROUTER_CPUS:-}") $PY/python - > "$OUT/relay.log" 2>&1 <<'PY' &
-import asyncio, uvloop
+start_relay() {  # a bare TCP relay on port $1 in front of the replica, pinned as the router is
+  $(pin "${ROUTER_CPUS:-}") $PY/python - "$1" > "$OUT/relay-$1.log" 2>&1 <<'PY' &
+import asyncio, sys, uvloop
 
 async def pipe(reader, writer):
     try:
@@ -56,11 +66,18 @@ async def relay(client_reader, client_writer):
     await asyncio.gather(pipe(client_reader, replica_writer), pipe(replica_reader, client_writer))
 
 async def main():
-    server = await asyncio.start_server(relay, "127.0.0.1", 8300)
+    server = await asyncio.start_server(relay, "127.0.0.1", int(sys.argv[1]))
     await server.serve_forever()
 
 uvloop.run(main())  # the router's event loop too
 PY
+}
+if [ "${CONTROL:-}" = relay ]; then
+  start_relay 8302
+  CONTROL_PID=$!
+fi
+if [ "${VIA:-router}" = relay ]; then
+  start_relay 8300
 elif [ "${VIA:-router}" = lean ] || [ "${VIA:-router}" = lean-asgi ]; then
   $(pin "${ROUTER_CPUS:-}") $PY/python benchmarks/lean_proxy.py 8300 8301 $([ "$VIA" = lean-asgi ] && echo --asgi) \
     > "$OUT/lean.log" 2>&1 &
@@ -70,21 +87,27 @@ $(pin "${ROUTER_CPUS:-}") $PY/tokenmill router --port 8300 --policy "$POLICY" --
 fi
 ROUTER=$!
 until curl -sf http://127.0.0.1:8300/health > /dev/null; do sleep 0.5; done
+if [ -n "${CONTROL_PID:-}" ]; then until curl -sf http://127.0.0.1:8302/health > /dev/null; do sleep 0.5; done; fi
 
-$(pin "${CLIENT_CPUS:-}") $PY/python - "$OUT" "$CONCURRENCY" "$REQUESTS" <<'PY'
+$(pin "${CLIENT_CPUS:-}") nice -n "${CLIENT_NICE:-0}" $PY/python - "$OUT" "$CONCURRENCY" "$REQUESTS" <<'PY'
 import asyncio, json, os, random, sys, time
 import aiohttp, httpx
 from prometheus_client.parser import text_string_to_metric_families
 out, concurrency, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ROUTER, DIRECT = "http://127.0.0.1:8300", "http://127.0.0.1:8301"  # ROUTER: the router, or a control (VIA)
 via = os.environ.get("VIA", "router")
+# every path a request is sent on at once: the one measured (VIA), direct, and with CONTROL=relay a bare relay too
+paths = {f"via_{via}": ROUTER, "direct": DIRECT}
+if os.environ.get("CONTROL") == "relay":
+    paths["via_control_relay"] = "http://127.0.0.1:8302"
+compared = [name for name in paths if name != "direct"]
 lo, _, hi = os.environ.get("OUTPUT_TOKENS", "1").partition("-")
 output_tokens, stream = (int(lo), int(hi or lo)), os.environ.get("STREAM", "0") == "1"
 rng = random.Random(0)
-latency = {ROUTER: [], DIRECT: []}
-ttft = {ROUTER: [], DIRECT: []}
-pair_difference = []  # via the router minus direct, per pair
-ttft_pair_difference = []
+latency = {name: [] for name in paths}
+ttft = {name: [] for name in paths}
+pair_difference = {name: [] for name in compared}  # that path minus direct, per request sent both ways
+ttft_pair_difference = {name: [] for name in compared}
 
 async def one(http, base, body):
     """(latency, TTFT) in ms; TTFT only when streamed."""
@@ -102,21 +125,24 @@ async def one(http, base, body):
     return (time.perf_counter() - t) * 1e3, (first - t) * 1e3
 
 async def client(http, i):
-    # Each of C/2 clients sends a pair at a time: the same request via the router and directly, at the same
-    # moment (which goes first alternates), so that both meet the same engine queue and step: the difference is
-    # the router's. C requests are in flight.
+    # Each of C/k clients (k paths) sends the same request on every path at the same moment (which goes first
+    # rotates), so that all copies meet the same engine queue and step: the differences are the hops'. C
+    # requests are in flight (with CONTROL=relay, k = 3: the nearest multiple of 3 below C).
+    names = list(paths)
     for n in range(requests):
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there, how", "temperature": 0,
                 "max_tokens": rng.randint(*output_tokens), "ignore_eos": True, "stream": stream}
-        order = [ROUTER, DIRECT] if (i + n) % 2 else [DIRECT, ROUTER]
-        results = dict(zip(order, await asyncio.gather(*(one(http, base, body) for base in order))))
-        for base, (ms, first_ms) in results.items():
-            latency[base].append(ms)
+        k = (i + n) % len(names)
+        order = names[k:] + names[:k]
+        results = dict(zip(order, await asyncio.gather(*(one(http, paths[name], body) for name in order))))
+        for name, (ms, first_ms) in results.items():
+            latency[name].append(ms)
             if first_ms is not None:
-                ttft[base].append(first_ms)
-        pair_difference.append(results[ROUTER][0] - results[DIRECT][0])
-        if stream:
-            ttft_pair_difference.append(results[ROUTER][1] - results[DIRECT][1])
+                ttft[name].append(first_ms)
+        for name in compared:
+            pair_difference[name].append(results[name][0] - results["direct"][0])
+            if stream:
+                ttft_pair_difference[name].append(results[name][1] - results["direct"][1])
 
 def router_metrics():
     if via != "router":  # the relay and the lean proxy have no metrics of their own
@@ -132,12 +158,12 @@ async def main():
     # CPU per request (less of the replica's queue is the load generator's)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=120)) as http:
-        await asyncio.gather(*(client(http, i) for i in range(concurrency // 2)))  # a warm-up round
-        for v in (*latency.values(), *ttft.values(), pair_difference, ttft_pair_difference):
+        await asyncio.gather(*(client(http, i) for i in range(concurrency // len(paths))))  # a warm-up round
+        for v in (*latency.values(), *ttft.values(), *pair_difference.values(), *ttft_pair_difference.values()):
             v.clear()
         before = router_metrics()
         t = time.perf_counter()
-        await asyncio.gather(*(client(http, i) for i in range(concurrency // 2)))
+        await asyncio.gather(*(client(http, i) for i in range(concurrency // len(paths))))
         return time.perf_counter() - t, before, router_metrics()
 
 elapsed, before, after = asyncio.run(main())
@@ -149,21 +175,32 @@ def pct(v, q):
 def value(metrics, name, **labels):
     return sum(s.value for s in metrics.get(name, []) if all(s.labels.get(k) == x for k, x in labels.items()))
 
-res = {"concurrency": concurrency, "requests_per_path": len(latency[ROUTER]), "duration_s": round(elapsed, 2),
-       "output_tokens": output_tokens, "stream": stream, "via": via,
-       "pinning": {k: os.environ.get(k) for k in ("THREADS", "REPLICA_CPUS", "ROUTER_CPUS", "CLIENT_CPUS")}}
-for name, base in ((f"via_{via}", ROUTER), ("direct", DIRECT)):
-    res[name] = {"p50_ms": round(pct(latency[base], 0.5), 2), "p99_ms": round(pct(latency[base], 0.99), 2)}
-res[f"{via}_added_ms"] = {q: round(res[f"via_{via}"][q] - res["direct"][q], 2) for q in ("p50_ms", "p99_ms")}
+res = {"concurrency": concurrency // len(paths) * len(paths), "requests_per_path": len(latency["direct"]),
+       "duration_s": round(elapsed, 2), "output_tokens": output_tokens, "stream": stream, "via": via,
+       "pinning": {k: os.environ.get(k) for k in ("THREADS", "REPLICA_CPUS", "ROUTER_CPUS", "CLIENT_CPUS", "CLIENT_NICE")},
+       "control": os.environ.get("CONTROL")}
+def quantiles(v):
+    return {"p50_ms": round(pct(v, 0.5), 2), "p99_ms": round(pct(v, 0.99), 2)}
 def pair_summary(v):
-    return {"p50_ms": round(pct(v, 0.5), 2), "p99_ms": round(pct(v, 0.99), 2), "mean_ms": round(sum(v) / len(v), 2)}
-res["pair_difference_ms"] = pair_summary(pair_difference)
+    # the share of copies more than 5 ms later or earlier than their direct twin: a copy answered in another engine
+    # step than its twin, or later in its step's serial answers
+    return {**quantiles(v), "mean_ms": round(sum(v) / len(v), 2),
+            "share_later_by_5ms": round(sum(x > 5 for x in v) / len(v), 3),
+            "share_earlier_by_5ms": round(sum(x < -5 for x in v) / len(v), 3)}
+for name in paths:
+    res[name] = quantiles(latency[name])
+for name in compared:
+    hop = name.removeprefix("via_")
+    res[f"{hop}_added_ms"] = {q: round(res[name][q] - res["direct"][q], 2) for q in ("p50_ms", "p99_ms")}
+    res[f"{hop}_pair_difference_ms" if hop != via else "pair_difference_ms"] = pair_summary(pair_difference[name])
 if stream:
-    res["ttft"] = {name: {"p50_ms": round(pct(ttft[base], 0.5), 2), "p99_ms": round(pct(ttft[base], 0.99), 2)}
-                   for name, base in ((f"via_{via}", ROUTER), ("direct", DIRECT))}
-    res["ttft"][f"{via}_added_ms"] = {q: round(res["ttft"][f"via_{via}"][q] - res["ttft"]["direct"][q], 2)
-                                      for q in ("p50_ms", "p99_ms")}
-    res["ttft"]["pair_difference_ms"] = pair_summary(ttft_pair_difference)
+    res["ttft"] = {name: quantiles(ttft[name]) for name in paths}
+    for name in compared:
+        hop = name.removeprefix("via_")
+        res["ttft"][f"{hop}_added_ms"] = {q: round(res["ttft"][name][q] - res["ttft"]["direct"][q], 2)
+                                          for q in ("p50_ms", "p99_ms")}
+        res["ttft"][f"{hop}_pair_difference_ms" if hop != via else "pair_difference_ms"] = \
+            pair_summary(ttft_pair_difference[name])
 def router_view(before, after):
     """The router's own view: arrival to forwarding, from its histogram (bucket bounds), and its CPU per request."""
     count = value(after, "tokenmill_router:overhead_seconds_count") - value(before, "tokenmill_router:overhead_seconds_count")
