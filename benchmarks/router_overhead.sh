@@ -187,20 +187,17 @@ def pair_summary(v):
     return {**quantiles(v), "mean_ms": round(sum(v) / len(v), 2),
             "share_later_by_5ms": round(sum(x > 5 for x in v) / len(v), 3),
             "share_earlier_by_5ms": round(sum(x < -5 for x in v) / len(v), 3)}
-for name in paths:
-    res[name] = quantiles(latency[name])
-for name in compared:
-    hop = name.removeprefix("via_")
-    res[f"{hop}_added_ms"] = {q: round(res[name][q] - res["direct"][q], 2) for q in ("p50_ms", "p99_ms")}
-    res[f"{hop}_pair_difference_ms" if hop != via else "pair_difference_ms"] = pair_summary(pair_difference[name])
-if stream:
-    res["ttft"] = {name: quantiles(ttft[name]) for name in paths}
+def summary(by_path, differences):
+    """Each path's p50/p99 and, for each hop, its added p50/p99 against direct and its per-pair differences."""
+    out = {name: quantiles(v) for name, v in by_path.items()}
     for name in compared:
         hop = name.removeprefix("via_")
-        res["ttft"][f"{hop}_added_ms"] = {q: round(res["ttft"][name][q] - res["ttft"]["direct"][q], 2)
-                                          for q in ("p50_ms", "p99_ms")}
-        res["ttft"][f"{hop}_pair_difference_ms" if hop != via else "pair_difference_ms"] = \
-            pair_summary(ttft_pair_difference[name])
+        out[f"{hop}_added_ms"] = {q: round(out[name][q] - out["direct"][q], 2) for q in ("p50_ms", "p99_ms")}
+        out["pair_difference_ms" if hop == via else f"{hop}_pair_difference_ms"] = pair_summary(differences[name])
+    return out
+res.update(summary(latency, pair_difference))
+if stream:
+    res["ttft"] = summary(ttft, ttft_pair_difference)
 def router_view(before, after):
     """The router's own view: arrival to forwarding, from its histogram (bucket bounds), and its CPU per request."""
     count = value(after, "tokenmill_router:overhead_seconds_count") - value(before, "tokenmill_router:overhead_seconds_count")
