@@ -8,10 +8,10 @@
 # each one's output tok/s per round, its ratio to the reference and the median ratio. The vllm:spec_decode
 # counters are kept too.
 # Usage: benchmarks/alternating.sh OUT_DIR NAME='serve flags' [NAME='serve flags' ...]    (ROUNDS=3, CONCURRENCY=32, NUM_PROMPTS=128)
-#   issue 15: benchmarks/alternating.sh benchmarks/results/quantization/c32-tiled \
+#   issue 15: benchmarks/alternating.sh benchmarks/runs/quantization-c32 \
 #     bf16='--dtype bfloat16 --quantization none --kv-cache-memory 1GiB' \
 #     q4_1='--dtype bfloat16 --quantization auto --kv-cache-memory 1GiB'
-#   issue 13: benchmarks/alternating.sh benchmarks/results/spec-decode/c32-alternating off='' \
+#   issue 13: benchmarks/alternating.sh benchmarks/runs/spec-decode-c32 off='' \
 #     ngram='--speculative-config {"method":"ngram","num_speculative_tokens":5,"prompt_lookup_min":2,"prompt_lookup_max":5}' \
 #     suffix='--speculative-config {"method":"suffix"}'
 cd "$(dirname "$0")/.."

@@ -40,7 +40,7 @@ async def round_of_big_requests(base: str, body: bytes) -> tuple[list[int], list
 
 
 def main() -> int:
-    out = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "benchmarks/results/big-requests"
+    out = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "benchmarks/runs/big-requests"
     flags = [a for a in sys.argv[1:] if a != out]
     os.makedirs(out, exist_ok=True)
     port = free_port()

@@ -4,7 +4,7 @@
 # c=32; and llama.cpp on the same Q4_1 file at c=1 (it serves one request at a time). Run it on a quiet machine.
 #   benchmarks/compare_quantization.sh [OUT_DIR]       (llama.cpp from ../shared/peers; skipped if not set up)
 set -euo pipefail
-OUT=${1:-benchmarks/results/quantization}
+OUT=${1:-benchmarks/runs/quantization}
 PEERS=${PEERS:-../shared/peers}
 PY=${PY:-.venv/bin}
 KV=${KV:-1GiB}

@@ -6,7 +6,7 @@
 set -euo pipefail
 DTYPE=${1:-bfloat16}
 PREC=$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)
-OUT=${2:-benchmarks/results/compare-vllm-cpu-$PREC}
+OUT=${2:-benchmarks/runs/compare-vllm-cpu-$PREC}
 PEERS=${PEERS:-../shared/peers}
 PY=${PY:-.venv/bin}
 mkdir -p "$OUT"

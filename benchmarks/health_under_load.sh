@@ -2,7 +2,7 @@
 # /health and /metrics latency while the server runs c=64 streams (ISL 256 / OSL 128): the engine computes on
 # every core, and the API server must still answer probes quickly.  Usage: benchmarks/health_under_load.sh [OUT]
 set -euo pipefail
-OUT=${1:-benchmarks/results/health-under-load}
+OUT=${1:-benchmarks/runs/health-under-load}
 PY=${PY:-.venv/bin}
 mkdir -p "$OUT"
 $PY/tokenmill serve --dtype bfloat16 --max-model-len 2048 --port 8030 --disable-log-stats > "$OUT/server.log" 2>&1 &

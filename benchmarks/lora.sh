@@ -7,7 +7,7 @@
 # and prints the output tok/s of both and their ratio.
 # Usage: benchmarks/lora.sh [OUT_DIR]       (NUM_PROMPTS=32 CONCURRENCY=8 PORT=8040 to change)
 set -euo pipefail
-OUT=${1:-benchmarks/results/lora}
+OUT=${1:-benchmarks/runs/lora}
 PORT=${PORT:-8040}
 PY=${PY:-.venv/bin}
 NUM_PROMPTS=${NUM_PROMPTS:-32}

@@ -15,7 +15,7 @@ vllm:spec_decode_* counters).
 Usage: .venv/bin/python benchmarks/paired.py OUT_DIR NAME='serve flags' NAME='serve flags'
          [--pairs 32] [--turn-prompts 1] [--concurrency 1] [--input-len 256] [--output-len 128]
   issue 13 (draft model at c=1):
-    .venv/bin/python benchmarks/paired.py benchmarks/results/spec-decode/c1-paired off='' \\
+    .venv/bin/python benchmarks/paired.py benchmarks/runs/spec-decode-c1-paired off='' \\
       draft_model='--speculative-config {"method":"draft_model","model":"/tmp/tokenmill-draft-keep-every-3","num_speculative_tokens":4}'
 """
 from __future__ import annotations

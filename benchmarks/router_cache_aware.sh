@@ -6,7 +6,7 @@
 # share of requests each replica took (from the router's tokenmill_router:requests_total), and the share of
 # requests whose predicted cached tokens equal the usage's cached_tokens (tokenmill_router:cache_predictions_total).
 #
-# Usage: benchmarks/router_cache_aware.sh [OUT]   (default benchmarks/results/router/cache-aware)
+# Usage: benchmarks/router_cache_aware.sh [OUT]   (default benchmarks/runs/router-cache-aware)
 # Knobs (env): THREADS per replica (1), NUM_PROMPTS (96), CONCURRENCY (8), PREFIX_GROUPS (32), PREFIX_LEN (512),
 #   INPUT_LEN (64), OUTPUT_LEN (32), SESSIONS (24), TURNS (4), KV_MEMORY (1GiB), DTYPE (auto), MAX_MODEL_LEN (4096),
 #   DATASETS ("prefix multiturn"), SETUPS ("kv round_robin single"), ROUTER_ARGS (more `tokenmill router` flags).
@@ -15,7 +15,7 @@
 # A tiny check: NUM_PROMPTS=6 SESSIONS=2 TURNS=2 PREFIX_GROUPS=2 PREFIX_LEN=64 INPUT_LEN=16 OUTPUT_LEN=4 CONCURRENCY=2 \
 #   DTYPE=float32 KV_MEMORY=128MiB MAX_MODEL_LEN=1024 SETUPS="kv single" benchmarks/router_cache_aware.sh /tmp/rca
 set -euo pipefail
-OUT=${1:-benchmarks/results/router/cache-aware}
+OUT=${1:-benchmarks/runs/router-cache-aware}
 PY=${PY:-.venv/bin}
 THREADS=${THREADS:-1}; NUM_PROMPTS=${NUM_PROMPTS:-96}; CONCURRENCY=${CONCURRENCY:-8}
 PREFIX_GROUPS=${PREFIX_GROUPS:-32}; PREFIX_LEN=${PREFIX_LEN:-512}; INPUT_LEN=${INPUT_LEN:-64}; OUTPUT_LEN=${OUTPUT_LEN:-32}

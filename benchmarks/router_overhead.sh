@@ -21,7 +21,7 @@
 # index) and a pooled upstream connection, with none of the router's other work; lean-asgi serves it under
 # uvicorn as an ASGI app, as the router is served.
 #
-# Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/results/router/overhead)
+# Usage: benchmarks/router_overhead.sh [OUT]   (default benchmarks/runs/router-overhead)
 # Knobs (env): CONCURRENCY (64), REQUESTS: pairs (or triples) per client (40), THREADS for the replica (2), POLICY (kv), DTYPE (auto);
 # OUTPUT_TOKENS (1, or a range LO-HI), STREAM (0);
 # REPLICA_CPUS, ROUTER_CPUS, CLIENT_CPUS: taskset CPU lists (unset: no pinning); CLIENT_NICE: the clients' nice
@@ -30,12 +30,12 @@
 # with its clients: THREADS=1 REPLICA_CPUS=0 ROUTER_CPUS=1 CLIENT_CPUS=1 CLIENT_NICE=10. The clients use a few
 # percent of a core and yield theirs to the router (nice 10), which then runs as soon as a request reaches it.
 # Clients on the replica's core (CLIENT_CPUS=0) hand their direct copies to the replica on its own core, ahead of
-# any copy through a hop: a quarter of a bare relay's copies are then answered >5 ms after their twins (session
-# 16, benchmarks/results/router/overhead/README.md). Clients sharing the router's core at the same priority make
+# any copy through a hop: a quarter of a bare relay's copies are then answered >5 ms after their twins (Zen 4,
+# 2026-12-03, benchmarks/results/router.md). Clients sharing the router's core at the same priority make
 # the router wait behind their bursts.
 # A tiny check: CONCURRENCY=4 REQUESTS=3 benchmarks/router_overhead.sh /tmp/ro
 set -euo pipefail
-OUT=${1:-benchmarks/results/router/overhead}
+OUT=${1:-benchmarks/runs/router-overhead}
 PY=${PY:-.venv/bin}
 CONCURRENCY=${CONCURRENCY:-64}; REQUESTS=${REQUESTS:-40}; THREADS=${THREADS:-2}; POLICY=${POLICY:-kv}
 export THREADS

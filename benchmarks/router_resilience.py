@@ -25,7 +25,7 @@ Tenant pools (--isolate-flood): the tenants config gives the flood replica 3 and
 replica at a lower CPU weight (its session's autogroup nice level, as a container's CPU weight), since on this one
 machine the pools still share 2 cores.
 
-Usage: .venv/bin/python benchmarks/router_resilience.py [OUT_DIR]   (default benchmarks/results/router/resilience)
+Usage: .venv/bin/python benchmarks/router_resilience.py [OUT_DIR]   (default benchmarks/runs/router-resilience)
 Knobs: --quiet-requests N (40), --flood-rpm N (20), --fault-requests N (32), --max-tokens N (64 in phase 2),
 --phases tenants,faults, --isolate-flood, --flood-nice N."""
 from __future__ import annotations
@@ -362,7 +362,7 @@ async def restart_phase(router: str, victim: Replica) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", nargs="?", default="benchmarks/results/router/resilience")
+    parser.add_argument("out", nargs="?", default="benchmarks/runs/router-resilience")
     parser.add_argument("--quiet-requests", type=int, default=40)
     parser.add_argument("--flood-rpm", type=float, default=20, help="the flooding tenant's RPM limit: what it is "
                         "allowed; each admitted request is 32 tokens, so on a slow machine 20 RPM keeps a replica "

