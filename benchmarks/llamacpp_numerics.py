@@ -173,16 +173,21 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, knobs: dict) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
 
 
+def ggml_thetas(T: int, ts) -> np.ndarray:
+    """Rope angles as ggml computes them: theta = p, then theta *= ts per pair, in float32."""
+    th = np.zeros((T, HD // 2), dtype=np.float32)
+    for p in range(T):
+        t = np.float32(p)
+        for i in range(HD // 2):
+            th[p, i] = t
+            t = np.float32(t * ts)
+    return th
+
+
 def rope_tables(T: int, knobs: dict):
     if knobs.get("grope"):
         ts = np.float32(np.power(np.float32(BASE), np.float32(-2.0) / np.float32(HD), dtype=np.float32))
-        th = np.zeros((T, HD // 2), dtype=np.float32)
-        for p in range(T):
-            t = np.float32(p)
-            for i in range(HD // 2):
-                th[p, i] = t
-                t = np.float32(t * ts)
-        th = torch.from_numpy(th)
+        th = torch.from_numpy(ggml_thetas(T, ts))
     else:
         inv = 1.0 / (BASE ** (torch.arange(0, HD, 2, dtype=torch.float) / HD))
         th = torch.outer(torch.arange(T, dtype=torch.float), inv)
@@ -372,12 +377,7 @@ def attention_exact(q, k, v, knobs, n_prompt):
 
 def rope_tables_exact(T):
     ts = np.float32(np.power(np.float64(BASE), -2.0 / HD))     # powf(base, -2.0f/n_dims), correctly rounded
-    th = np.zeros((T, HD // 2), dtype=np.float32)
-    for p in range(T):
-        t = np.float32(p)
-        for i in range(HD // 2):
-            th[p, i] = t
-            t = np.float32(t * ts)
+    th = ggml_thetas(T, ts)
     c = torch.from_numpy(np.cos(th.astype(np.float64)).astype(np.float32))   # cosf ~ correctly rounded
     s = torch.from_numpy(np.sin(th.astype(np.float64)).astype(np.float32))
     return c, s
