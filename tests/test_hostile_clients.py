@@ -21,7 +21,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.messages import EngineCoreOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import EngineClient
-from tokenmill.server.errors import StreamStalled
+from tokenmill.api.errors import StreamStalled
 
 
 # ---- in-process ----

@@ -20,7 +20,7 @@ from server_utils import server  # noqa: F401 - the fixture
 
 from tokenmill.models.paths import default_model_path
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tokenmill.server.protocol import INT64_MAX, INT64_MIN
+from tokenmill.api.protocol import INT64_MAX, INT64_MIN
 from tokenmill.tokenizer import load_tokenizer
 
 CHAT = [{"role": "user", "content": "Hi"}]
