@@ -11,13 +11,13 @@ import asyncio
 
 import httpx
 
+from tokenmill.api.errors import EngineDeadError
+from tokenmill.api.lifecycle import Lifecycle, LifecycleApp
+from tokenmill.api.server_config import ServerConfig
 from tokenmill.engine.messages import EngineCoreOutput, EngineReady, SchedulerStats
 from tokenmill.logprobs import TokenLogprobs
 from tokenmill.server.api_server import build_app
-from tokenmill.api.errors import EngineDeadError
 from tokenmill.server.generation_stream import GenerationStream
-from tokenmill.api.lifecycle import Lifecycle, LifecycleApp
-from tokenmill.api.server_config import ServerConfig
 from tokenmill.server.server_state import ServerState
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from polling import wait_until
 from server_utils import SERVER_ARGS, RemoteServer, free_port
 
-from tokenmill.engine.block_hash import hash_block_tokens
 from tokenmill.config import KVEventsConfig
+from tokenmill.engine.block_hash import hash_block_tokens
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher
 from tokenmill.engine.kv_events import (

@@ -22,12 +22,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tokenmill.api.errors import EngineDeadError, LoRANotFound, StreamStalled
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import run_engine_core
 from tokenmill.engine.messages import (AbortRequests, AddLoRA, AddRequest, AddRequests, EngineCoreOutputs,
                                        EngineMessage, EngineReady, EngineStartupFailed, LoRAReply, RemoveLoRA,
                                        SchedulerStats, StatsQuery)
-from tokenmill.api.errors import EngineDeadError, LoRANotFound, StreamStalled
 from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import ParamError
