@@ -11,12 +11,13 @@ import asyncio
 
 import httpx
 
-from tokenmill.engine.messages import EngineCoreOutput, EngineReady, SchedulerStats, TokenLogprobs
+from tokenmill.api.errors import EngineDeadError
+from tokenmill.api.lifecycle import Lifecycle, LifecycleApp
+from tokenmill.api.server_config import ServerConfig
+from tokenmill.engine.messages import EngineCoreOutput, EngineReady, SchedulerStats
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.server.api_server import build_app
-from tokenmill.server.errors import EngineDeadError
 from tokenmill.server.generation_stream import GenerationStream
-from tokenmill.server.lifecycle import Lifecycle, LifecycleApp
-from tokenmill.server.server_config import ServerConfig
 from tokenmill.server.server_state import ServerState
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -50,7 +51,9 @@ class FakeEngineClient:
             raise EngineDeadError(self.dead_reason)
 
     def generate(self, request_id, prompts, params, tokenizer, priority=0, lora_request=None) -> GenerationStream:
-        return GenerationStream(self, request_id, prompts, params, tokenizer, priority, lora_request)
+        stream = GenerationStream(request_id, prompts, params, tokenizer, self.abort)
+        self.add_requests(stream.engine_requests(), tokenizer.eos_token_id, priority, stream.queue, lora_request)
+        return stream
 
     def add_requests(self, requests, eos_token_id, priority, queue, lora_request=None) -> None:
         for request_id, prompt_token_ids, params in requests:
@@ -86,12 +89,6 @@ class FakeEngineClient:
     def _logprobs(token: int, k: int) -> TokenLogprobs:
         top = [token, token + 1][:k]
         return TokenLogprobs(token, -0.25, 1, top, [-0.25, -1.5][:len(top)])
-
-    def stream_opened(self, stream) -> None:  # the real client watches open streams for stalled readers
-        pass
-
-    def stream_closed(self, stream) -> None:
-        pass
 
     def abort(self, request_ids, finished_reason="abort") -> None:
         for request_id in request_ids:

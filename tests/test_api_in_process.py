@@ -321,7 +321,7 @@ async def test_request_id_header(app):
 
 SERVE_WITHOUT_TORCH = """
 import asyncio, sys
-from tokenmill.server import api_server  # noqa: F401 - the server, its routes and serving modules
+from tokenmill.server import launch  # noqa: F401 - the server's start-up, its app, routes and serving modules
 assert "torch" not in sys.modules, "importing the API server imported torch"
 from tokenmill.tokenizer import load_tokenizer
 from fake_engine import InProcessServer

@@ -13,7 +13,7 @@ from conftest import single_threaded_llm
 from server_utils import MODEL, server  # noqa: F401 - the fixture
 from tokenmill.beam_search import (BeamSearch, BeamSearchParams, advance_all, beam_search_score, check_beam_width,
                                    live_beams)
-from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.sampling_params import ParamError, SamplingParams
 
 # ---- the algorithm, on scripted models (no engine) ----

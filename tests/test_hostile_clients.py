@@ -17,11 +17,11 @@ from fake_engine import API_KEY, MODEL, InProcessServer
 from polling import wait_until
 from server_utils import RemoteServer
 
+from tokenmill.api.errors import StreamStalled
 from tokenmill.config import EngineConfig
 from tokenmill.engine.messages import EngineCoreOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import EngineClient
-from tokenmill.server.errors import StreamStalled
 
 
 # ---- in-process ----

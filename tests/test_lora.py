@@ -438,7 +438,7 @@ def test_lora_flags_parse_as_vllm_s():
 
     from tokenmill.config import EngineConfig
     from tokenmill.lora.request import LoRAModulePath
-    from tokenmill.server.server_config import ServerConfig
+    from tokenmill.api.server_config import ServerConfig
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     ServerConfig.add_cli_args(parser)

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 from server_utils import server  # noqa: F401 - the fixture
 
+from tokenmill.api.protocol import INT64_MAX, INT64_MIN
 from tokenmill.models.paths import default_model_path
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tokenmill.server.protocol import INT64_MAX, INT64_MIN
 from tokenmill.tokenizer import load_tokenizer
 
 CHAT = [{"role": "user", "content": "Hi"}]

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from polling import wait_until
 from server_utils import SERVER_ARGS, RemoteServer, free_port
 
+from tokenmill.config import KVEventsConfig
 from tokenmill.engine.block_hash import hash_block_tokens
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher
@@ -34,7 +35,6 @@ from tokenmill.engine.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventsConfig,
     decode_batch,
     encode_batch,
 )

@@ -17,8 +17,9 @@ import pytest
 from polling import wait_until, wait_until_async
 from server_utils import SERVER_ARGS, free_port
 
+from tokenmill.config import KVEventsConfig
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher
-from tokenmill.engine.kv_events import BlockStored, KVEventsConfig
+from tokenmill.engine.kv_events import BlockStored
 from tokenmill.router import app as router_app
 from tokenmill.router.app import build_state, join, leave
 from tokenmill.router.kv_index import KVEventFeeds

@@ -22,11 +22,11 @@ import torch
 
 import tokenmill.engine.runner as runner_module
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.block_hash import hash_request_blocks
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.spec_decode import adaptive
-from tokenmill.engine.spec_decode.config import SpeculativeConfig
 from tokenmill.engine.spec_decode.ngram_proposer import NgramProposer
 from tokenmill.engine.spec_decode.rejection_sampler import general_rejection_sample, verify
 from tokenmill.engine.spec_decode.suffix_proposer import SuffixProposer

@@ -15,7 +15,7 @@ import pytest
 from server_utils import API_KEY, RemoteServer, server  # noqa: F401 - the fixture
 from tokenmill.reasoning import REASONING_PARSERS, ReasoningSplitter
 from tokenmill.server.chat_output import ChatOutputParser
-from tokenmill.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, ParsedToolCall
+from tokenmill.tool_parsers import HermesToolParser, Llama3JsonToolParser, ParsedToolCall
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",

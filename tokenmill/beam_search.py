@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.sampling_params import ParamError, SamplingParams
 
 

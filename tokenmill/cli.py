@@ -9,7 +9,7 @@ import importlib
 import sys
 
 # (name, help, module, entry point); the module has add_cli_args(parser)
-SERVE = ("serve", "serve a model behind the OpenAI API", "tokenmill.server.api_server", "run_from_cli")
+SERVE = ("serve", "serve a model behind the OpenAI API", "tokenmill.server.launch", "run_from_cli")
 ROUTER = ("router", "an OpenAI-compatible gateway over several replicas, routing on their KV caches",
           "tokenmill.router.app", "run_from_cli")
 SERVE_RAY = ("serve-ray", "tokenmill serve replicas on Ray Serve behind the router, autoscaled on their queues "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.logprobs import TokenLogprobs
 
 
 @dataclass

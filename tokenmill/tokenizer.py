@@ -13,6 +13,7 @@ import logging
 import os
 
 from tokenmill import envs
+from tokenmill.chat_templates import gguf_chat_template
 
 logger = logging.getLogger("tokenmill.tokenizer")
 
@@ -34,7 +35,6 @@ def _load_directory(path: str):
 
 def _with_gguf_chat_template(tok, model_path: str):
     if not getattr(tok, "chat_template", None):  # HF's GGUF conversion drops the file's template
-        from tokenmill.gguf_chat import gguf_chat_template
         tok.chat_template = gguf_chat_template(model_path)
     return tok
 

@@ -46,7 +46,7 @@ _IDLE_POLL_MS = 1000  # when idle: how often to check that the API server still 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
     """Entry point of the engine process (multiprocessing spawn target)."""
-    from tokenmill.server.logs import configure_logging
+    from tokenmill.logs import configure_logging
     configure_logging()  # the API server's --log-format, through the environment
     # Ctrl-C reaches the whole process group; the API server decides when this process ends (SIGTERM), and
     # SystemExit lets multiprocessing's finalizers run.

@@ -14,7 +14,8 @@ from collections import deque
 
 import zmq
 
-from tokenmill.engine.kv_events import AllBlocksCleared, KVEvent, KVEventBatch, KVEventsConfig, encode_batch
+from tokenmill.config import KVEventsConfig
+from tokenmill.engine.kv_events import AllBlocksCleared, KVEvent, KVEventBatch, encode_batch
 
 logger = logging.getLogger("tokenmill.engine.kv_event_publisher")
 

@@ -10,12 +10,9 @@ digests, which vLLM's format allows (its ExternalBlockHash is bytes or int).
 Torch-free: the router imports this module."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
-from tokenmill.json_flag import parse_json_flag
 
 # vLLM's name for the engine's own KV pool (the tier a router indexes), whatever the device; vLLM-CPU says it too.
 MEDIUM_GPU = "GPU"
@@ -129,30 +126,3 @@ def _decode_event(raw) -> KVEvent:
         return msgspec.convert(kwargs, cls)
     except msgspec.ValidationError as e:
         raise KVEventDecodeError(f"bad {tag}: {e}") from None
-
-
-@dataclass
-class KVEventsConfig:
-    """--kv-events-config: vLLM's KVEventsConfig fields, as JSON."""
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None  # "zmq" | "null"; default: zmq when events are enabled
-    endpoint: str = "tcp://*:5557"  # PUB socket: bound when it has a wildcard (or is ipc/inproc), else connected
-    replay_endpoint: str | None = None  # ROUTER socket that resends buffered batches from a sequence number
-    buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 100_000  # the PUB socket's high-water mark
-    max_queue_size: int = 100_000  # batches waiting for the publisher thread
-    topic: str = ""
-
-    def __post_init__(self):
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
-        if self.publisher not in ("zmq", "null"):
-            raise ValueError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {self.publisher!r}")
-
-    @property
-    def publishes(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    @classmethod
-    def from_json(cls, text: str) -> KVEventsConfig:
-        return parse_json_flag(cls, "--kv-events-config", text)

@@ -8,23 +8,12 @@ This module imports no torch (nor anything that does): the API server process, t
 import it to speak to an engine without loading a deep-learning framework."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import msgspec
 
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import ParamError, SamplingParams
-
-
-class TokenLogprobs(NamedTuple):
-    """The logprobs of one position: the token there, its logprob and rank, and the top alternatives.
-    A NamedTuple crosses the wire as a plain msgpack array, and reads by name in Python."""
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 # ---- API server → engine ----

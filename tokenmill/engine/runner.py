@@ -10,11 +10,11 @@ import torch
 
 from tokenmill.config import EngineConfig, parse_memory
 from tokenmill.engine.host_memory import keep_freed_memory_in_process
-from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler, logprob_entries
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.engine.spec_decode.rejection_sampler import verify
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, get_attention_backend
 from tokenmill.models.kv_quant import kv_storage_dtype, needs_calibration

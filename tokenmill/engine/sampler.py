@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.engine.request import Request
+from tokenmill.logprobs import TokenLogprobs
 
 
 @dataclass

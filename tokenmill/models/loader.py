@@ -11,12 +11,22 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig
 
 from tokenmill import envs
+from tokenmill.models.linear import Linear
 from tokenmill.models.llama import RotaryEmbedding
-from tokenmill.models.quantization import attach_kernels, describe_weights, quantization_kernels, quantize_linears
+from tokenmill.models.quantization import (
+    BLOCK,
+    QuantizedEmbedding,
+    QuantizedWeight,
+    attach_kernels,
+    describe_weights,
+    quantization_kernels,
+    quantize,
+)
 from tokenmill.models.registry import resolve_architecture
 
 logger = logging.getLogger("tokenmill.loader")
@@ -96,6 +106,17 @@ def _count_safetensors(model_path: str) -> int:
         with safe_open(path, framework="pt") as f:
             n += len(list(f.keys()))
     return n
+
+
+def quantize_linears(model: nn.Module, kind: str, ops) -> None:
+    """`--quantization int8|int4`: every linear weight (and a tied embedding, which is also the lm_head) with K a
+    multiple of 32 is quantized at load, replacing the dense weight."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None and module.in_features % BLOCK == 0:
+            module.set_quantized(QuantizedWeight(quantize(module.weight, kind)), ops)
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", True) is None and isinstance(embed, nn.Embedding) and embed.embedding_dim % BLOCK == 0:
+        model.embed_tokens = QuantizedEmbedding(QuantizedWeight(quantize(embed.weight, kind)))
 
 
 def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_positions: int,

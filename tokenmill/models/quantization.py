@@ -188,18 +188,6 @@ def quantization_kernels(quantization: str, is_gguf: bool, dtype: torch.dtype, d
     return ops
 
 
-def quantize_linears(model: nn.Module, kind: str, ops) -> None:
-    """`--quantization int8|int4`: every linear weight (and a tied embedding, which is also the lm_head) with K a
-    multiple of 32 is quantized at load, replacing the dense weight."""
-    from tokenmill.models.linear import Linear
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight is not None and module.in_features % BLOCK == 0:
-            module.set_quantized(QuantizedWeight(quantize(module.weight, kind)), ops)
-    embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", True) is None and isinstance(embed, nn.Embedding) and embed.embedding_dim % BLOCK == 0:
-        model.embed_tokens = QuantizedEmbedding(QuantizedWeight(quantize(embed.weight, kind)))
-
-
 def attach_kernels(model: nn.Module, ops) -> None:
     for module in model.modules():
         if getattr(module, "quant", None) is not None:

@@ -2,7 +2,7 @@
 
 Start-up: load the served model's tokenizer (no weights), check every replica's /health/ready once, subscribe
 to each replica's KV events, then poll health every --health-check-interval. Like the API server, the router
-imports no torch. On SIGTERM it drains as the server does (tokenmill/server/lifecycle.py): new requests get 503
+imports no torch. On SIGTERM it drains as the server does (tokenmill/api/lifecycle.py): new requests get 503
 (and /health turns 503, for a load balancer in front), in-flight ones finish, then it exits."""
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tokenmill.api.errors import ServiceUnavailable, error_response, exception_response, http_error_response
+from tokenmill.api.lifecycle import CONTROL_PATHS, DrainingServer, Lifecycle
 from tokenmill.heap import freeze_startup_heap
 from tokenmill.router.kv_index import KVEventFeeds, KVIndex
 from tokenmill.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -28,8 +30,6 @@ from tokenmill.router.replicas import Replica, ReplicaClient, ReplicaSet
 from tokenmill.router.router_config import RouterConfig
 from tokenmill.router.tenants import AdmissionQueue, TenantRegistry, load_tenants
 from tokenmill.router.tracing import make_router_tracer
-from tokenmill.server.errors import ServiceUnavailable, error_response, exception_response, http_error_response
-from tokenmill.server.lifecycle import CONTROL_PATHS, DrainingServer, Lifecycle
 
 logger = logging.getLogger("tokenmill.router")
 
@@ -66,7 +66,7 @@ def leave(state: RouterState, replica: Replica) -> None:
 def load_router_tokenizer(config: RouterConfig):
     """The replicas' tokenizer and chat template (no weights): the router's token ids are theirs."""
     from tokenmill.models.paths import resolve_model_path
-    from tokenmill.server.chat_utils import load_chat_template
+    from tokenmill.chat_templates import load_chat_template
     from tokenmill.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
     if config.chat_template is not None:
@@ -178,7 +178,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_cli(args: argparse.Namespace) -> int:
-    from tokenmill.server.logs import configure_logging
+    from tokenmill.logs import configure_logging
     try:
         config = RouterConfig.from_cli_args(args)
         if not config.backend:

@@ -1,5 +1,5 @@
 """A request's prompt as the replicas will tokenize it: the same tokenizer and chat template code as
-`tokenmill serve` (tokenmill/server/chat_utils.py), so the router's block keys are the engine's.
+`tokenmill serve` (tokenmill/api/chat_utils.py), so the router's block keys are the engine's.
 
 The router tokenizes once per request, whatever the number of replicas; the body goes to the replica as sent.
 A body the router cannot tokenize is still forwarded (the replica answers it, 400 included); it is routed
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from tokenmill.server.chat_utils import render_chat
-from tokenmill.server.protocol import ChatMessage
+from tokenmill.api.chat_protocol import ChatMessage
+from tokenmill.api.chat_utils import render_chat
 from tokenmill.tokenizer import encode
 
 logger = logging.getLogger("tokenmill.router.prompt_tokens")

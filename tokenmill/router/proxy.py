@@ -26,6 +26,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenmill.api.errors import error_response
 from tokenmill.router.kv_index import KVEventFeeds, prompt_block_hashes
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Policy, RouteRequest
@@ -36,7 +37,6 @@ from tokenmill.router.resume import ResumableStream, why_not_resumable
 from tokenmill.router.router_config import RouterConfig
 from tokenmill.router.tenants import AdmissionQueue, Rejected, Tenant, TenantRegistry, retry_after_header
 from tokenmill.router.tracing import RouterTracer
-from tokenmill.server.errors import error_response
 from tokenmill.tokenizer import INLINE_ENCODE_CHARS
 
 logger = logging.getLogger("tokenmill.router.proxy")

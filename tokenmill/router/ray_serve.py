@@ -33,11 +33,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.api.lifecycle import Lifecycle
 from tokenmill.router.app import build_app, build_state, join, leave, load_router_tokenizer
 from tokenmill.router.replica_client import TRANSPORT_ERRORS, ReplicaClient
 from tokenmill.router.replicas import Replica, replica_reported_load
 from tokenmill.router.router_config import RouterConfig
-from tokenmill.server.lifecycle import Lifecycle
 
 logger = logging.getLogger("tokenmill.router.ray_serve")
 
@@ -118,7 +118,7 @@ def serve_autoscaling_config(text: str | None) -> dict:
 def _configure_logging() -> None:
     """tokenmill's log lines in a Ray worker (Ray keeps them in the worker's log and shows them to the driver),
     as `tokenmill router` has them: replicas joining, leaving, ejected."""
-    from tokenmill.server.logs import configure_logging
+    from tokenmill.logs import configure_logging
     configure_logging()
 
 
@@ -298,7 +298,7 @@ def build_ray_app(config: RayServeConfig, serve_args: list[str]):
 def replica_serve_args(config: RayServeConfig, extra: list[str]) -> list[str]:
     """Each replica's `tokenmill serve` flags: the shared ones, then the rest of the command line; checked here
     with tokenmill serve's own parser (which exits with its usage error), before any replica starts."""
-    from tokenmill.server.api_server import add_cli_args as add_serve_args
+    from tokenmill.api.server_config import add_serve_cli_args
     if any(arg.split("=", 1)[0] == "--kv-events-config" for arg in extra):
         raise ValueError("serve-ray sets each replica's --kv-events-config (and --host, --port) itself")
     args = []
@@ -308,7 +308,7 @@ def replica_serve_args(config: RayServeConfig, extra: list[str]) -> list[str]:
     args += extra
     parser = argparse.ArgumentParser(prog="tokenmill serve-ray (the replicas' tokenmill serve flags)",
                                      allow_abbrev=False)
-    add_serve_args(parser)
+    add_serve_cli_args(parser)
     if parser.parse_args(args).model_tag is not None:
         raise ValueError("give the model as --model: the router loads its tokenizer too")
     return args
@@ -328,7 +328,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_cli(args: argparse.Namespace, extra: list[str]) -> int:
-    from tokenmill.server.logs import configure_logging
+    from tokenmill.logs import configure_logging
     try:
         import ray
         from ray import serve

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenmill.api import chat_protocol as chp, completion_protocol as cp, protocol as p
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server import protocol as p
 
 # request fields that mean the same on /v1/completions once the prompt is token ids
 CARRIED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                   "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
                   "repetition_penalty", "logit_bias", "user", "priority")
-COMPLETIONS_DEFAULT_MAX_TOKENS = p.CompletionRequest.model_fields["max_tokens"].default
+COMPLETIONS_DEFAULT_MAX_TOKENS = cp.CompletionRequest.model_fields["max_tokens"].default
 DONE = b"data: [DONE]\n\n"
 
 _json_decode = msgspec.json.Decoder().decode
@@ -242,23 +242,23 @@ class ResumableStream:
 
     def _chunk(self, text: str, finish_reason, stop_reason, ids: list[int], usage: p.Usage | None = None):
         if self.route == "chat":
-            choice = p.ChatChunkChoice(0, p.DeltaMessage(content=text) if text else p.DeltaMessage(),
-                                       finish_reason=finish_reason, stop_reason=stop_reason)
+            choice = chp.ChatChunkChoice(0, chp.DeltaMessage(content=text) if text else chp.DeltaMessage(),
+                                         finish_reason=finish_reason, stop_reason=stop_reason)
             if self.wants_ids:
                 choice.token_ids = ids
-            out = p.ChatCompletionChunk(self.id, self.created, self.model, [choice])
+            out = chp.ChatCompletionChunk(self.id, self.created, self.model, [choice])
             if usage is not None:
                 out.usage = usage
             return out
-        choice = p.CompletionChoice(0, text, None, finish_reason, stop_reason)
+        choice = cp.CompletionChoice(0, text, None, finish_reason, stop_reason)
         if self.wants_ids:
             choice.token_ids = ids
-        return p.CompletionResponse(self.id, self.created, self.model, [choice], usage)
+        return cp.CompletionResponse(self.id, self.created, self.model, [choice], usage)
 
     def _usage_chunk(self, usage: p.Usage):
         if self.route == "chat":
-            return p.ChatCompletionUsageChunk(self.id, self.created, self.model, usage)
-        return p.CompletionResponse(self.id, self.created, self.model, [], usage)
+            return chp.ChatCompletionUsageChunk(self.id, self.created, self.model, usage)
+        return cp.CompletionResponse(self.id, self.created, self.model, [], usage)
 
     @staticmethod
     def _event(message) -> bytes:

@@ -1,11 +1,11 @@
 """The router's OpenTelemetry span per request: it continues the caller's W3C `traceparent`, and its own context
-goes to the replica as `traceparent`, so that the replica's `llm_request` span (tokenmill/server/tracing.py) is
+goes to the replica as `traceparent`, so that the replica's `llm_request` span (tokenmill/api/tracing.py) is
 its child and one trace shows routing, failover and generation. The exporter, endpoint rules and resource are
 the server's (RequestTracer); unlike the server, the router opens its span on arrival, because the replica needs
 its id before the request leaves."""
 from __future__ import annotations
 
-from tokenmill.server.tracing import RequestTracer, make_tracer
+from tokenmill.api.tracing import RequestTracer, make_tracer
 
 
 class RouterTracer:

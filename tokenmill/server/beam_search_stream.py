@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tokenmill.beam_search import BeamSearch, BeamSearchParams, advance_all, live_beams
-from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import uuid
 
+from tokenmill.api import chat_protocol as chp
 from tokenmill.reasoning import ReasoningSplitter
-from tokenmill.server import protocol as p
-from tokenmill.server.tool_parsers import ParsedToolCall, parse_tool_calls
+from tokenmill.tool_parsers import ParsedToolCall, parse_tool_calls
 
 
 def _is_json(text: str) -> bool:
@@ -34,16 +34,16 @@ class ChatOutputParser:
         self.tool_mode, self.tool_parser, self.named_tool = tool_mode, tool_parser, named_tool
         self.reasoning: list[str] = []
         self.content: list[str] = []
-        self.tool_calls: list[p.ToolCall] = []
+        self.tool_calls: list[chp.ToolCall] = []
         self._required_text = ""
 
-    def feed(self, text: str) -> list[p.DeltaMessage]:
+    def feed(self, text: str) -> list[chp.DeltaMessage]:
         if self.splitter is None:
             return self._answer(text)
         reasoning, content = self.splitter.feed(text)
         return self._reasoning(reasoning) + self._answer(content)
 
-    def finish(self, cut_short: bool = False) -> list[p.DeltaMessage]:
+    def finish(self, cut_short: bool = False) -> list[chp.DeltaMessage]:
         """cut_short: the output ended at max_tokens. A forced call (required, named) that it cut off is dropped,
         calls and partial JSON alike (finish_reason "length" tells why); a streamed named call's argument deltas
         have gone out already."""
@@ -73,22 +73,22 @@ class ChatOutputParser:
             return "tool_calls"
         return engine_reason
 
-    def message(self) -> p.ChatResponseMessage:
+    def message(self) -> chp.ChatResponseMessage:
         content = "".join(self.content)
         if (self.tool_calls and not content.strip()) or (self.reasoning and not content):
             content = None
-        return p.ChatResponseMessage("assistant", content, "".join(self.reasoning) if self.reasoning else None,
-                                     self.tool_calls or None)
+        return chp.ChatResponseMessage("assistant", content, "".join(self.reasoning) if self.reasoning else None,
+                                       self.tool_calls or None)
 
     # ---- routing ----
 
-    def _reasoning(self, text: str) -> list[p.DeltaMessage]:
+    def _reasoning(self, text: str) -> list[chp.DeltaMessage]:
         if not text or not self.include_reasoning:
             return []
         self.reasoning.append(text)
-        return [p.DeltaMessage(reasoning_content=text)]
+        return [chp.DeltaMessage(reasoning_content=text)]
 
-    def _answer(self, text: str) -> list[p.DeltaMessage]:
+    def _answer(self, text: str) -> list[chp.DeltaMessage]:
         if not text:
             return []
         if self.tool_mode == "auto":
@@ -101,31 +101,32 @@ class ChatOutputParser:
             return self._named(text)
         return self._content(text)
 
-    def _content(self, text: str) -> list[p.DeltaMessage]:
+    def _content(self, text: str) -> list[chp.DeltaMessage]:
         if not text:
             return []
         self.content.append(text)
-        return [p.DeltaMessage(content=text)]
+        return [chp.DeltaMessage(content=text)]
 
-    def _calls(self, calls: list[ParsedToolCall]) -> list[p.DeltaMessage]:
+    def _calls(self, calls: list[ParsedToolCall]) -> list[chp.DeltaMessage]:
         deltas = []
         for call in calls:
-            tc = p.ToolCall(new_tool_call_id(), p.FunctionCall(call.name, call.arguments))
-            deltas.append(p.DeltaMessage(tool_calls=[p.DeltaToolCall(
-                len(self.tool_calls), p.DeltaFunctionCall(call.name, call.arguments), tc.id, "function")]))
+            tc = chp.ToolCall(new_tool_call_id(), chp.FunctionCall(call.name, call.arguments))
+            deltas.append(chp.DeltaMessage(tool_calls=[chp.DeltaToolCall(
+                len(self.tool_calls), chp.DeltaFunctionCall(call.name, call.arguments), tc.id, "function")]))
             self.tool_calls.append(tc)
         return deltas
 
-    def _named(self, arguments: str) -> list[p.DeltaMessage]:
+    def _named(self, arguments: str) -> list[chp.DeltaMessage]:
         """The grammar makes the whole answer the arguments: stream them as they come, after a header."""
         deltas = []
         if not self.tool_calls:
-            tc = p.ToolCall(new_tool_call_id(), p.FunctionCall(self.named_tool, ""))
+            tc = chp.ToolCall(new_tool_call_id(), chp.FunctionCall(self.named_tool, ""))
             self.tool_calls.append(tc)
-            deltas.append(p.DeltaMessage(tool_calls=[p.DeltaToolCall(
-                0, p.DeltaFunctionCall(self.named_tool, ""), tc.id, "function")]))
+            deltas.append(chp.DeltaMessage(tool_calls=[chp.DeltaToolCall(
+                0, chp.DeltaFunctionCall(self.named_tool, ""), tc.id, "function")]))
         if arguments:
             self.tool_calls[0].function.arguments += arguments
-            deltas.append(p.DeltaMessage(tool_calls=[p.DeltaToolCall(0, p.DeltaFunctionCall(arguments=arguments))]))
+            call = chp.DeltaToolCall(0, chp.DeltaFunctionCall(arguments=arguments))
+            deltas.append(chp.DeltaMessage(tool_calls=[call]))
         return deltas
 

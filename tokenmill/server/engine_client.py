@@ -1,9 +1,12 @@
 """The API server's handle on the engine process: start it, send it requests, route its outputs back.
 
-One asyncio task reads EngineCoreOutputs batches from ZMQ and puts each output on the queue of the
-GenerationStream (generation_stream.py) that owns the request. Another watches the open streams: one whose output
-has waited unread for --stream-stall-timeout (its client stopped reading) is aborted, so that a client cannot make
-the server hold KV blocks and buffer output without bound."""
+EngineClient is the one owner of a request in this process: generate() registers and submits it, the output loop
+routes its outputs, abort() and fail_pending() end it, and the stall watchdog gives up on it. What a handler
+iterates is a GenerationStream (generation_stream.py), a passive collector that is handed the client's abort and
+nothing else. One asyncio task reads EngineCoreOutputs batches from ZMQ and puts each output on the queue of the
+stream that owns the request. Another watches the open streams: one whose output has waited unread for
+--stream-stall-timeout (its client stopped reading) is aborted, so that a client cannot make the server hold KV
+blocks and buffer output without bound."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tokenmill.api.errors import EngineDeadError, LoRANotFound, StreamStalled
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import run_engine_core
 from tokenmill.engine.messages import (AbortRequests, AddLoRA, AddRequest, AddRequests, EngineCoreOutputs,
@@ -26,9 +30,8 @@ from tokenmill.engine.messages import (AbortRequests, AddLoRA, AddRequest, AddRe
                                        SchedulerStats, StatsQuery)
 from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling_params import SamplingParams
 from tokenmill.sampling_params import ParamError
-from tokenmill.server.errors import EngineDeadError, LoRANotFound, StreamStalled
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.generation_stream import GenerationStream
 from tokenmill.server.metrics import ServerMetrics
 
@@ -65,7 +68,7 @@ class EngineClient:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._output_task: asyncio.Task | None = None
         self.stream_stall_timeout_s: float | None = None  # set by the server (--stream-stall-timeout)
-        self._streams: dict[str, GenerationStream] = {}  # the open ones, by request id, watched for stalls
+        self._streams: dict[str, GenerationStream] = {}  # by request id, watched for stalls until closed
         self._watchdog_task: asyncio.Task | None = None
 
     # ---- lifecycle ----
@@ -211,17 +214,13 @@ class EngineClient:
                 if waiter is not None and not waiter.done():
                     waiter.set_result(reply.stats if not isinstance(reply, LoRAReply) else reply)
 
-    def stream_opened(self, stream: GenerationStream) -> None:
-        self._streams[stream.request_id] = stream
-
-    def stream_closed(self, stream: GenerationStream) -> None:
-        self._streams.pop(stream.request_id, None)
-
     async def _abort_stalled_streams(self) -> None:
-        """Fails the streams whose reader has left output unread for longer than the stall timeout."""
+        """Fails the streams whose reader has left output unread for longer than the stall timeout; forgets the
+        streams their handlers have closed."""
         while True:
             timeout = self.stream_stall_timeout_s
             await asyncio.sleep(min(1.0, timeout / 4) if timeout else 1.0)
+            self._streams = {rid: s for rid, s in self._streams.items() if not s.closed}
             if not timeout:
                 continue
             now = time.monotonic()
@@ -311,5 +310,11 @@ class EngineClient:
 
     def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams, tokenizer,
                  priority: int = 0, lora_request: LoRARequest | None = None) -> GenerationStream:
-        """n samples of each prompt; use as `with client.generate(...) as stream: async for deltas in stream`."""
-        return GenerationStream(self, request_id, prompts, params, tokenizer, priority, lora_request)
+        """n samples of each prompt, registered and submitted now; use as `with client.generate(...) as stream:
+        async for deltas in stream`. The server calls it right after its queue check, with no await between: a
+        burst of requests checked first and sent later would all pass the check together."""
+        stream = GenerationStream(request_id, prompts, params, tokenizer, self.abort)
+        # one message: the engine starts every sample (every beam of a beam-search step) in the same step
+        self.add_requests(stream.engine_requests(), tokenizer.eos_token_id, priority, stream.queue, lora_request)
+        self._streams[request_id] = stream
+        return stream

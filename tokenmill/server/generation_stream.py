@@ -1,27 +1,25 @@
 """The samples of one API request, as the server reads them: a GenerationStream.
 
-It fans the request out into engine requests (n samples per prompt), detokenizes their tokens, applies stop
-strings (aborting the engine request on a match), and yields per-sample deltas. Leaving its `with` block (or
-close(), for a response that never started reading it) aborts
-whatever still runs in the engine, so a client that goes away frees its KV blocks at once; fail() does the same
-for a stream the server gives up on (its engine died, or its client stopped reading)."""
+A passive collector (as vLLM's RequestOutputCollector): EngineClient.generate registers and submits the request's
+engine requests (n samples per prompt) and puts their outputs on the stream's queue; the stream detokenizes
+them, applies stop strings and yields per-sample deltas. The one thing it does to the engine is through the
+`abort` callable it is handed: a stop string that matched ends its sample, and leaving its `with` block (or
+close(), for a response that never started reading it) aborts whatever still runs, so a client that goes away
+frees its KV blocks at once; fail() does the same for a stream the server gives up on (its engine died, or its
+client stopped reading)."""
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from tokenmill.api.errors import EngineDeadError, StreamStalled
+from tokenmill.api.tracing import RequestTrace
 from tokenmill.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.messages import EngineCoreOutput, RequestError, TokenLogprobs
-from tokenmill.lora.request import LoRARequest
+from tokenmill.engine.messages import EngineCoreOutput, RequestError
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.sampling_params import ParamError, SamplingParams, child_params
-from tokenmill.server.errors import EngineDeadError, StreamStalled
-from tokenmill.server.tracing import RequestTrace
-
-if TYPE_CHECKING:
-    from tokenmill.server.engine_client import EngineClient
 
 
 @dataclass
@@ -50,14 +48,13 @@ class _Sample:
 
 @dataclass
 class GenerationStream:
-    """The samples of one API request; choice index = prompt index * n + sample index."""
-    client: EngineClient
+    """The samples of one API request; choice index = prompt index * n + sample index. `abort(engine request ids,
+    finished reason)` stops samples in the engine (EngineClient.abort)."""
     request_id: str
     prompts: list[list[int]]
     params: SamplingParams
     tokenizer: object
-    priority: int = 0
-    lora_request: LoRARequest | None = None  # the adapter every sample runs with (tokenmill/lora/)
+    abort: Callable[[list[str], str], None]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     samples: dict[str, _Sample] = field(default_factory=dict)
     unfinished: set[str] = field(default_factory=set)
@@ -65,7 +62,7 @@ class GenerationStream:
     on_close: Callable[[GenerationStream], None] | None = None
     last_read: float = field(default_factory=time.monotonic)  # when the reader last asked for output
     error: Exception | None = None  # set by fail(): raised to the reader
-    submitted: bool = False
+    closed: bool = False
 
     def __post_init__(self):
         n = self.params.n
@@ -75,36 +72,24 @@ class GenerationStream:
                 engine_id = f"{self.request_id}-{p}-{i}"
                 detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt)
                 self.samples[engine_id] = _Sample(p * n + i, engine_id, params, detokenizer)
+        self.unfinished.update(self.samples)
 
-    def submit(self) -> None:
-        """Sends the samples to the engine, once. The server does so right after its queue check, with no await
-        between: a burst of requests checked first and sent later would all pass the check together."""
-        if self.submitted:
-            return
-        self.submitted = True
-        try:
-            # one message: the engine starts every sample (every beam of a beam-search step) in the same step
-            self.client.add_requests([(engine_id, self.prompts[sample.index // self.params.n], sample.params)
-                                      for engine_id, sample in self.samples.items()],
-                                     self.tokenizer.eos_token_id, self.priority, self.queue, self.lora_request)
-            self.unfinished.update(self.samples)
-        except BaseException:
-            self.close()
-            raise
-        self.client.stream_opened(self)
+    def engine_requests(self) -> list[tuple[str, list[int], SamplingParams]]:
+        """(engine request id, prompt, params) of each sample, for EngineClient to submit."""
+        return [(engine_id, self.prompts[sample.index // self.params.n], sample.params)
+                for engine_id, sample in self.samples.items()]
 
     def __enter__(self) -> GenerationStream:
-        self.submit()
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def close(self) -> None:
-        """Aborts the samples still running in the engine."""
-        self.client.stream_closed(self)
+        """Aborts the samples still running in the engine; the client stops watching a closed stream."""
+        self.closed = True
         if self.unfinished:
-            self.client.abort(sorted(self.unfinished))
+            self.abort(sorted(self.unfinished), "abort")
             self.unfinished.clear()
         on_close, self.on_close = self.on_close, None
         if on_close is not None:
@@ -168,7 +153,7 @@ class GenerationStream:
         if finish is None:
             return
         if out.finish_reason is None:
-            self.client.abort([out.request_id], finish)
+            self.abort([out.request_id], finish)
         self.unfinished.discard(out.request_id)
         sample.finish_reason = delta.finish_reason = finish
         sample.stop_reason = stop_reason

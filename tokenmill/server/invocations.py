@@ -10,13 +10,13 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 
+from tokenmill.api import chat_protocol as chp, completion_protocol as cp
 from tokenmill.sampling_params import ParamError
 from tokenmill.server import pooling_protocol as pp
-from tokenmill.server import protocol as p
 
 # (request model, the path whose handler serves it), per runner
 SHAPES = {
-    "generate": [(p.ChatCompletionRequest, "/v1/chat/completions"), (p.CompletionRequest, "/v1/completions")],
+    "generate": [(chp.ChatCompletionRequest, "/v1/chat/completions"), (cp.CompletionRequest, "/v1/completions")],
     "pooling": [(pp.EmbeddingRequest, "/v1/embeddings"), (pp.ScoreRequest, "/score"), (pp.RerankRequest, "/rerank")],
 }
 ALL_SHAPES = [model for shapes in SHAPES.values() for model, _ in shapes]

@@ -6,8 +6,8 @@ import hmac
 import time
 import uuid
 
-from tokenmill.server.errors import RequestTooLarge, Unauthorized, exception_response
-from tokenmill.server.logs import request_id_var
+from tokenmill.api.errors import RequestTooLarge, Unauthorized, exception_response
+from tokenmill.logs import request_id_var
 
 
 class RequestIdMiddleware:

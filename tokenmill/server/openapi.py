@@ -1,10 +1,10 @@
 """/openapi.json as the server really answers: every status, media type and response schema, not FastAPI's guess.
 
 FastAPI documents the request bodies (the pydantic models, bounds included) but for responses only "200: any
-JSON" and a 422 the server never sends (validation errors are 400: errors.py). Here each operation gets the
-statuses it returns, with OpenAI's error object; the 200 bodies are the msgspec Structs the handlers encode, their
-schemas merged into the components so that every $ref resolves; /health* are documented although LifecycleApp
-answers them before FastAPI; and /v1/* carry the bearer scheme when the server has an API key.
+JSON" and a 422 the server never sends (validation errors are 400: tokenmill/api/errors.py). Here each operation
+gets the statuses it returns, with OpenAI's error object; the 200 bodies are the msgspec Structs the handlers
+encode, their schemas merged into the components so that every $ref resolves; /health* are documented although
+LifecycleApp answers them before FastAPI; and /v1/* carry the bearer scheme when the server has an API key.
 tests/test_openapi_and_fields.py holds the server to this document with schemathesis."""
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from tokenmill.api import chat_protocol as chp, completion_protocol as cp, protocol as p
+from tokenmill.server import models_protocol as mp
 from tokenmill.server import pooling_protocol as pp
-from tokenmill.server import protocol as p
+from tokenmill.server import tokenization_protocol as tp
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
-RESPONSE_STRUCTS = (p.ErrorResponse, p.ModelList, p.CompletionResponse, p.ChatCompletionResponse,
-                    p.ChatCompletionChunk, p.ChatCompletionUsageChunk, p.TokenizeResponse, p.DetokenizeResponse,
+RESPONSE_STRUCTS = (p.ErrorResponse, mp.ModelList, cp.CompletionResponse, chp.ChatCompletionResponse,
+                    chp.ChatCompletionChunk, chp.ChatCompletionUsageChunk, tp.TokenizeResponse, tp.DetokenizeResponse,
                     *pp.RESPONSE_STRUCTS)
 
 
@@ -78,7 +80,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     **{(path, "post"): {JSON: _ref("ScoreResponse")} for path in ("/score", "/v1/score")},
     **{(path, "post"): {JSON: _ref("RerankResponse")} for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
 }
-# Answered by LifecycleApp before FastAPI (lifecycle.py), in plain text: summary, and whether it can be 503
+# Answered by LifecycleApp before FastAPI (tokenmill/api/lifecycle.py), in plain text: summary, and whether it can
+# be 503
 HEALTH = {
     "/health": ("Ready: 200 when a request now would be served (as vLLM's /health).", True),
     "/health/ready": ("Ready: the same as /health.", True),
@@ -100,8 +103,9 @@ _BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "ex
 
 
 def _standard_bounds(node: Any) -> None:
-    """pydantic states the bounds of an optional Int field (protocol.py: a validator before the bounds) as
-    `ge`/`le`, which JSON Schema does not know, so clients (and schemathesis) saw no bounds; renamed in place."""
+    """pydantic states the bounds of an optional Int field (tokenmill/api/protocol.py: a validator before the
+    bounds) as `ge`/`le`, which JSON Schema does not know, so clients (and schemathesis) saw no bounds; renamed in
+    place."""
     if isinstance(node, dict):
         if node.get("type") in ("integer", "number"):
             for key in [k for k in _BOUNDS if k in node]:
@@ -147,7 +151,8 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
 
 
 def _error_statuses(path: str, op: dict[str, Any], schemas: dict[str, Any], api_key: bool) -> list[int]:
-    statuses = {503}  # any route: loading, draining (lifecycle.py), or overloaded or dead when it needs the engine
+    # any route: loading, draining (tokenmill/api/lifecycle.py), or overloaded or dead when it needs the engine
+    statuses = {503}
     body = op.get("requestBody", {}).get("content", {}).get(JSON, {}).get("schema", {})
     if body:
         statuses |= {400, 413}

@@ -1,8 +1,8 @@
 """The request and response shapes of the pooling endpoints, as vLLM and OpenAI define them: /v1/embeddings and
 /pooling (OpenAI's embeddings shape), /v1/score (vLLM's), /v1/rerank (vLLM's, which is Jina's and Cohere's).
 
-The conventions are protocol.py's: pydantic request bodies with strict validation and the bounds on the fields,
-msgspec Structs for the responses."""
+The conventions are tokenmill/api/protocol.py's: pydantic request bodies with strict validation and the bounds on
+the fields, msgspec Structs for the responses."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -10,8 +10,8 @@ from typing import Annotated, Literal
 import msgspec
 from pydantic import BeforeValidator, Field, model_validator
 
+from tokenmill.api.protocol import INT64_MAX, INT64_MIN, Int, _Body, _integral
 from tokenmill.sampling_params import ParamError
-from tokenmill.server.protocol import INT64_MAX, INT64_MIN, Int, _Body, _integral
 
 
 def _bounded(ge: int, le: int = INT64_MAX):

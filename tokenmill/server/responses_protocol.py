@@ -1,9 +1,9 @@
 """The OpenAI Responses API shapes (/v1/responses): pydantic models for the request, msgspec Structs for the
 response object, its output items and its stream events.
 
-Same conventions as protocol.py: a request accepts unknown fields (ignored), and a wrong type is a 400 naming the
-field; responses are Structs, encoded by msgspec. The request carries the shared SamplingFields too, so that
-vLLM's sampling extras (top_k, seed, stop, ...) work here as on chat."""
+Same conventions as tokenmill/api/protocol.py: a request accepts unknown fields (ignored), and a wrong type is a
+400 naming the field; responses are Structs, encoded by msgspec. The request carries the shared SamplingFields
+too, so that vLLM's sampling extras (top_k, seed, stop, ...) work here as on chat."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 from pydantic import Field
 
-from tokenmill.server.protocol import Int, SamplingFields, _Request
+from tokenmill.api.protocol import Int, SamplingFields, _Request
 
 # ============================== request ==============================
 

@@ -10,17 +10,17 @@ import asyncio
 import functools
 from dataclasses import dataclass, field
 
+from tokenmill.api.chat_protocol import ChatMessage
+from tokenmill.api.chat_utils import render_chat
+from tokenmill.api.errors import ModelNotFound, Overloaded
+from tokenmill.api.server_config import ServerConfig
 from tokenmill.engine.messages import EngineReady, validate_request
 from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import check_generate_runner, check_pooling_runner
 from tokenmill.reasoning import ReasoningSpec
 from tokenmill.sampling_params import ParamError, SamplingParams
-from tokenmill.server.chat_utils import render_chat
 from tokenmill.server.engine_client import EngineClient
-from tokenmill.server.errors import ModelNotFound, Overloaded
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.protocol import ChatMessage
-from tokenmill.server.server_config import ServerConfig
 from tokenmill.tokenizer import INLINE_ENCODE_CHARS, encode
 
 

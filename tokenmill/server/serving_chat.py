@@ -11,28 +11,28 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.api import chat_protocol as chp, protocol as p
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.reasoning import ReasoningSplitter
 from tokenmill.sampling_params import ParamError, StructuredOutputsParams
-from tokenmill.server import protocol as p
 from tokenmill.server.chat_output import ChatOutputParser
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
 from tokenmill.server.serving_engine import MIN_LOGPROB, OpenAIServing
-from tokenmill.server.tool_parsers import TOOL_PARSERS, named_tool_schema, required_tools_schema, validate_tools
+from tokenmill.tool_parsers import TOOL_PARSERS, named_tool_schema, required_tools_schema, validate_tools
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def create_chat_completion(self, req: p.ChatCompletionRequest, raw: Request):
+    async def create_chat_completion(self, req: chp.ChatCompletionRequest, raw: Request):
         return await self.chat(req, [req.messages], raw)
 
-    async def create_batch_chat_completion(self, req: p.BatchChatCompletionRequest, raw: Request):
+    async def create_batch_chat_completion(self, req: chp.BatchChatCompletionRequest, raw: Request):
         """vLLM's /v1/chat/completions/batch: one choice per conversation (index i for conversation i)."""
         if req.prompt_logprobs is not None:  # vLLM computes and drops them: refused rather than ignored
             raise ParamError("Batch chat completions do not support `prompt_logprobs`.", "prompt_logprobs")
         return await self.chat(req, req.messages, raw, batch=True)
 
-    async def chat(self, req: p.ChatCompletionRequest, conversations: list[list[p.ChatMessage]], raw: Request,
+    async def chat(self, req: chp.ChatCompletionRequest, conversations: list[list[chp.ChatMessage]], raw: Request,
                    batch: bool = False):
         """The conversations' prompts go to the engine as one request (n samples of each), as a completion's list
         of prompts does: choice i is sample i % n of conversation i // n."""
@@ -88,13 +88,13 @@ class OpenAIServingChat(OpenAIServing):
             message = parser.message()
             if echo_texts[i // n]:
                 message.content = echo_texts[i // n] + (message.content or "")
-            choice = p.ChatChoice(i, message, logprobs=self.logprobs(c.logprobs, as_ids) if req.logprobs else None,
-                                  finish_reason=parser.finish_reason(c.finish_reason), stop_reason=c.stop_reason)
+            choice = chp.ChatChoice(i, message, logprobs=self.logprobs(c.logprobs, as_ids) if req.logprobs else None,
+                                    finish_reason=parser.finish_reason(c.finish_reason), stop_reason=c.stop_reason)
             if req.return_token_ids:
                 choice.token_ids = c.token_ids
             out.append(choice)
         usage = self.usage(prompts, sum(c.num_tokens for c in choices), stream.num_cached_tokens)
-        response = p.ChatCompletionResponse(request_id, created, model, out, usage)
+        response = chp.ChatCompletionResponse(request_id, created, model, out, usage)
         if not batch:  # vLLM's batch response has neither: there is no one prompt
             if req.return_token_ids:
                 response.prompt_token_ids = prompts[0]
@@ -103,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
         return json_response(response)
 
     @staticmethod
-    def echo_text(messages: list[p.ChatMessage], any_role: bool) -> str:
+    def echo_text(messages: list[chp.ChatMessage], any_role: bool) -> str:
         """What `echo` puts in front of the answer: the last message's content, when it is the assistant's (vLLM's
         batch endpoint echoes it whatever its role). Text parts are joined by newlines, as vLLM does."""
         last = messages[-1]
@@ -113,7 +113,7 @@ class OpenAIServingChat(OpenAIServing):
             return "\n".join(part.text or "" for part in last.content if part.type == "text")
         return last.content or ""
 
-    def tool_choice(self, req: p.ChatCompletionRequest) -> tuple[str, str | None, StructuredOutputsParams | None]:
+    def tool_choice(self, req: chp.ChatCompletionRequest) -> tuple[str, str | None, StructuredOutputsParams | None]:
         """(tool mode, named function, the grammar that enforces it), with vLLM's defaults and errors."""
         choice = req.tool_choice
         if choice is None:
@@ -143,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
         raise ParamError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                          "tool_choice")
 
-    def logprobs(self, entries: list[TokenLogprobs], as_ids: bool) -> p.ChatLogprobs:
+    def logprobs(self, entries: list[TokenLogprobs], as_ids: bool) -> chp.ChatLogprobs:
         """As vLLM: a token's `bytes` are its text's; with as_ids its `token` (and each alternative's token and
         bytes) read "token_id:N"."""
         content = []
@@ -152,10 +152,10 @@ class OpenAIServingChat(OpenAIServing):
             top = []
             for t, lp in zip(e.top_token_ids, e.top_logprobs):
                 token = self.logprob_token(t, as_ids)
-                top.append(p.TopLogprob(token, max(lp, MIN_LOGPROB), list(token.encode())))
-            content.append(p.ChatLogprobToken(self.logprob_token(e.token_id, as_ids), max(e.logprob, MIN_LOGPROB),
-                                              list(text.encode()), top))
-        return p.ChatLogprobs(content)
+                top.append(chp.TopLogprob(token, max(lp, MIN_LOGPROB), list(token.encode())))
+            content.append(chp.ChatLogprobToken(self.logprob_token(e.token_id, as_ids), max(e.logprob, MIN_LOGPROB),
+                                                list(text.encode()), top))
+        return chp.ChatLogprobs(content)
 
     def streamed_response(self, stream: GenerationStream, prompt_ids: list[int], model: str, created: int,
                           include_usage: bool, continuous_usage: bool, output_parser: Callable[[], ChatOutputParser],
@@ -165,11 +165,11 @@ class OpenAIServingChat(OpenAIServing):
         parsers = [output_parser() for _ in range(n)]
         num_tokens = [0] * n  # per choice: continuous usage counts each choice's own tokens, as vLLM
 
-        def chunk(index: int, delta: p.DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None,
+        def chunk(index: int, delta: chp.DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None,
                   token_ids=None, first: bool = False) -> bytes:
-            choice = p.ChatChunkChoice(index, delta, logprobs=logprobs, finish_reason=finish_reason,
-                                       stop_reason=stop_reason)
-            out = p.ChatCompletionChunk(rid, created, model, [choice])
+            choice = chp.ChatChunkChoice(index, delta, logprobs=logprobs, finish_reason=finish_reason,
+                                         stop_reason=stop_reason)
+            out = chp.ChatCompletionChunk(rid, created, model, [choice])
             if return_token_ids:
                 choice.token_ids = token_ids or []
                 if first:
@@ -186,19 +186,19 @@ class OpenAIServingChat(OpenAIServing):
             if d.finish_reason is not None:
                 parts += parser.finish(cut_short=d.finish_reason == "length")
             if (logprobs is not None or (return_token_ids and d.token_ids)) and not parts:
-                parts = [p.DeltaMessage()]  # the text is held back for now; its logprobs and ids are not
+                parts = [chp.DeltaMessage()]  # the text is held back for now; its logprobs and ids are not
             events = [chunk(d.index, part, logprobs, token_ids=d.token_ids) if j == 0 else chunk(d.index, part)
                       for j, part in enumerate(parts)]
             if d.finish_reason is not None:
-                events.append(chunk(d.index, p.DeltaMessage(), None, parser.finish_reason(d.finish_reason),
+                events.append(chunk(d.index, chp.DeltaMessage(), None, parser.finish_reason(d.finish_reason),
                                     d.stop_reason))
             return events
 
         def usage_event(num_tokens: int) -> bytes:
             usage = self.usage([prompt_ids], num_tokens, stream.num_cached_tokens)
-            return sse_event(p.ChatCompletionUsageChunk(rid, created, model, usage))
+            return sse_event(chp.ChatCompletionUsageChunk(rid, created, model, usage))
 
-        first = b"".join(chunk(i, p.DeltaMessage(role="assistant", content=""), first=True) for i in range(n))
+        first = b"".join(chunk(i, chp.DeltaMessage(role="assistant", content=""), first=True) for i in range(n))
         if echo_text:  # vLLM: a chunk per choice with the echoed content, after the role
-            first += b"".join(chunk(i, p.DeltaMessage(content=echo_text)) for i in range(n))
+            first += b"".join(chunk(i, chp.DeltaMessage(content=echo_text)) for i in range(n))
         return self.stream_response(stream, first, events_for, usage_event if include_usage else None)

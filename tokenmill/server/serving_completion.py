@@ -7,9 +7,9 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.api import completion_protocol as cp, protocol as p
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.sampling_params import ParamError
-from tokenmill.server import protocol as p
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
 from tokenmill.server.serving_engine import OpenAIServing
@@ -27,7 +27,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return await self.state.encode(prompt, add_special_tokens)
         return [list(ids) for ids in prompt]
 
-    async def create_completion(self, req: p.CompletionRequest, raw: Request):
+    async def create_completion(self, req: cp.CompletionRequest, raw: Request):
         state = self.state
         lora = state.check_model(req.model)
         prompts = self.truncate(await self.prompts(req.prompt, req.add_special_tokens), req)
@@ -65,20 +65,20 @@ class OpenAIServingCompletion(OpenAIServing):
                     entries = list(zip(prompt_ids, lp))
                 entries += [(e.token_id, e) for e in c.logprobs]
                 logprobs = self.logprobs(entries, 0, num_logprobs, as_ids)
-            choice = p.CompletionChoice(i, prefix + c.text, logprobs, c.finish_reason, c.stop_reason)
+            choice = cp.CompletionChoice(i, prefix + c.text, logprobs, c.finish_reason, c.stop_reason)
             if req.return_token_ids:
                 choice.prompt_token_ids, choice.token_ids = prompt_ids, c.token_ids
             if prompt_logprobs is not None:
                 choice.prompt_logprobs = self.prompt_logprobs(prompt_ids, c.prompt_logprobs)
             out.append(choice)
         usage = self.usage(prompts, sum(c.num_tokens for c in choices), stream.num_cached_tokens)
-        return json_response(p.CompletionResponse(request_id, created, model, out, usage))
+        return json_response(cp.CompletionResponse(request_id, created, model, out, usage))
 
     def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int, k: int,
-                 as_ids: bool) -> p.CompletionLogprobs:
+                 as_ids: bool) -> cp.CompletionLogprobs:
         """entries: (token id, its logprobs or None, as for the first prompt token); offset: the text offset of the
         first token; k: the alternatives to give (the token itself is always among them); as_ids: "token_id:N"."""
-        out = p.CompletionLogprobs()
+        out = cp.CompletionLogprobs()
         for token_id, e in entries:
             s = self.logprob_token(token_id, as_ids)
             out.tokens.append(s)
@@ -104,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_ids_due = [return_token_ids] * num_choices  # vLLM sends them in each choice's first chunk
 
         def chunk(i: int, text: str, logprobs=None, finish_reason=None, stop_reason=None, token_ids=()) -> bytes:
-            choice = p.CompletionChoice(i, text, logprobs, finish_reason, stop_reason)
+            choice = cp.CompletionChoice(i, text, logprobs, finish_reason, stop_reason)
             if return_token_ids:
                 choice.token_ids = list(token_ids)
                 if prompt_ids_due[i]:
@@ -113,7 +113,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if continuous_usage:
                 num_prompt = len(prompts[i // n])
                 usage = p.Usage(num_prompt, num_tokens[i], num_prompt + num_tokens[i])
-            return sse_event(p.CompletionResponse(rid, created, model, [choice], usage))
+            return sse_event(cp.CompletionResponse(rid, created, model, [choice], usage))
 
         first = b"".join(chunk(i, echo_texts[i // n]) for i in range(num_choices)) if echo_texts else b""
 
@@ -132,6 +132,6 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def usage_event(num_tokens: int) -> bytes:
             usage = self.usage(prompts, num_tokens, stream.num_cached_tokens)
-            return sse_event(p.CompletionResponse(rid, created, model, [], usage))
+            return sse_event(cp.CompletionResponse(rid, created, model, [], usage))
 
         return self.stream_response(stream, first, events_for, usage_event if include_usage else None)

@@ -9,17 +9,17 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenmill.api import protocol as p
+from tokenmill.api.errors import sse_error_event
+from tokenmill.api.tracing import RequestTrace
 from tokenmill.beam_search import BeamSearchParams, check_beam_width
-from tokenmill.engine.messages import TokenLogprobs
+from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
-from tokenmill.server import protocol as p
 from tokenmill.server.beam_search_stream import BeamSearchStream
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
-from tokenmill.server.errors import sse_error_event
 from tokenmill.server.responses import DONE, ClientDisconnected, EventStreamResponse, until_disconnected
 from tokenmill.server.server_state import ServerState
-from tokenmill.server.tracing import RequestTrace
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -189,8 +189,8 @@ class OpenAIServing:
         for ids in prompts:
             state.validate(ids, params, priority)
         state.check_queue([ids for ids in prompts for _ in range(params.n)])
+        # submitted in the same event-loop turn as the check (EngineClient.generate)
         stream = state.client.generate(request_id, prompts, params, state.tokenizer, priority, lora_request)
-        stream.submit()  # in the same event-loop turn as the check (GenerationStream.submit)
         if state.tracer is not None:
             stream.trace = RequestTrace(
                 request_id, operation, state.served_model_name(lora_request), dict(raw.headers), params.max_tokens,

@@ -17,10 +17,10 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from tokenmill.api.errors import LoRANotFound
 from tokenmill.lora.request import LoRAModulePath, LoRARequest
 from tokenmill.sampling_params import ParamError
-from tokenmill.server import protocol as p
-from tokenmill.server.errors import LoRANotFound
+from tokenmill.server import models_protocol as mp
 from tokenmill.server.responses import json_response
 from tokenmill.server.server_state import ServerState
 
@@ -33,20 +33,21 @@ class OpenAIServingModels:
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()  # one load or unload at a time: a name is checked and taken atomically
 
-    def models(self) -> p.ModelList:
+    def models(self) -> mp.ModelList:
         state, created = self.state, int(time.time())
-        cards = [p.ModelCard(name, created, state.model_root, state.engine.max_model_len) for name in state.model_names]
-        cards += [p.ModelCard(lora.lora_name, created, lora.lora_path, state.engine.max_model_len,
-                              parent=lora.base_model_name or state.model_names[0]) for lora in state.loras.values()]
-        return p.ModelList(cards)
+        cards = [mp.ModelCard(name, created, state.model_root, state.engine.max_model_len)
+                 for name in state.model_names]
+        cards += [mp.ModelCard(lora.lora_name, created, lora.lora_path, state.engine.max_model_len,
+                               parent=lora.base_model_name or state.model_names[0]) for lora in state.loras.values()]
+        return mp.ModelList(cards)
 
     async def load_static(self, modules: list[LoRAModulePath]) -> None:
         """--lora-modules: each is loaded as the API would load it; raises on the first that fails."""
         for module in modules:
-            await self.load(p.LoadLoRAAdapterRequest(lora_name=module.name, lora_path=module.path),
+            await self.load(mp.LoadLoRAAdapterRequest(lora_name=module.name, lora_path=module.path),
                             module.base_model_name)
 
-    async def load(self, req: p.LoadLoRAAdapterRequest, base_model_name: str | None = None) -> str:
+    async def load(self, req: mp.LoadLoRAAdapterRequest, base_model_name: str | None = None) -> str:
         state = self.state
         if not req.lora_name or not req.lora_path:
             raise ParamError("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
@@ -69,7 +70,7 @@ class OpenAIServingModels:
         logger.info("Loaded new LoRA adapter: name '%s', path '%s'", lora.lora_name, lora.lora_path)
         return f"Success: LoRA adapter '{lora.lora_name}' added successfully."
 
-    async def unload(self, req: p.UnloadLoRAAdapterRequest) -> str:
+    async def unload(self, req: mp.UnloadLoRAAdapterRequest) -> str:
         state = self.state
         if not req.lora_name and not req.lora_int_id:
             raise ParamError("either 'lora_name' and 'lora_int_id' needs to be provided.", "lora_name")
@@ -93,9 +94,9 @@ def add_model_routes(app: FastAPI, models: OpenAIServingModels, runtime_updates:
         return
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: p.LoadLoRAAdapterRequest):
+    async def load_lora_adapter(body: mp.LoadLoRAAdapterRequest):
         return Response(await models.load(body), media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest):
+    async def unload_lora_adapter(body: mp.UnloadLoRAAdapterRequest):
         return Response(await models.unload(body), media_type="text/plain")

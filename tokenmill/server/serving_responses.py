@@ -16,9 +16,9 @@ import msgspec
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response
 
+from tokenmill.api import chat_protocol as chp, protocol as p
 from tokenmill.reasoning import ReasoningSplitter
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
-from tokenmill.server import protocol as p
 from tokenmill.server import responses_protocol as rp
 from tokenmill.server.chat_output import ChatOutputParser
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
@@ -26,7 +26,7 @@ from tokenmill.server.responses import EventStreamResponse, json_response, sse_e
 from tokenmill.server.server_state import ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_engine import OpenAIServing
-from tokenmill.server.tool_parsers import TOOL_PARSERS
+from tokenmill.tool_parsers import TOOL_PARSERS
 
 MAX_STORED_RESPONSES = 1000  # store=true keeps the most recently used ones in memory, for GET and follow-ups
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
@@ -44,7 +44,7 @@ def sse_frame(event) -> bytes:
 
 # ============================== request → chat ==============================
 
-def _text_parts(content: str | list[rp.InputContentPart] | None, where: str) -> str | list[p.TextContentPart]:
+def _text_parts(content: str | list[rp.InputContentPart] | None, where: str) -> str | list[chp.TextContentPart]:
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
@@ -52,20 +52,20 @@ def _text_parts(content: str | list[rp.InputContentPart] | None, where: str) -> 
         if part.type not in TEXT_PART_TYPES or part.text is None:
             raise ParamError(f"{where}.content[{j}]: only text parts ({', '.join(TEXT_PART_TYPES[:2])}) are "
                              f"supported, got {part.type!r}", "input")
-        parts.append(p.TextContentPart(type="text", text=part.text))
+        parts.append(chp.TextContentPart(type="text", text=part.text))
     return parts
 
 
-def to_chat_messages(items: list[rp.InputItem]) -> list[p.ChatMessage]:
+def to_chat_messages(items: list[rp.InputItem]) -> list[chp.ChatMessage]:
     """Input items → chat messages: a function call joins the assistant message before it (one turn, several
     calls), its output becomes a tool message. Reasoning items are dropped: chat templates drop past reasoning."""
-    out: list[p.ChatMessage] = []
+    out: list[chp.ChatMessage] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if item.type == "message":
             if item.role not in MESSAGE_ROLES:
                 raise ParamError(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {item.role!r}", "input")
-            out.append(p.ChatMessage(role=item.role, content=_text_parts(item.content, where)))
+            out.append(chp.ChatMessage(role=item.role, content=_text_parts(item.content, where)))
         elif item.type == "function_call":
             if item.call_id is None or item.name is None:
                 raise ParamError(f"{where}: a function_call needs call_id and name", "input")
@@ -74,11 +74,11 @@ def to_chat_messages(items: list[rp.InputItem]) -> list[p.ChatMessage]:
             if out and out[-1].role == "assistant" and out[-1].tool_calls is not None:
                 out[-1].tool_calls.append(call)
             else:
-                out.append(p.ChatMessage(role="assistant", tool_calls=[call]))
+                out.append(chp.ChatMessage(role="assistant", tool_calls=[call]))
         elif item.type == "function_call_output":
             if item.call_id is None:
                 raise ParamError(f"{where}: a function_call_output needs call_id", "input")
-            out.append(p.ChatMessage(role="tool", tool_call_id=item.call_id, content=_text_parts(item.output, where)))
+            out.append(chp.ChatMessage(role="tool", tool_call_id=item.call_id, content=_text_parts(item.output, where)))
         elif item.type != "reasoning":
             raise ParamError(f"{where}.type {item.type!r} is not supported; expected message, function_call, "
                              "function_call_output or reasoning", "input")
@@ -136,7 +136,7 @@ class OutputAssembler:
         events, self.events = self.events, []
         return events
 
-    def add(self, deltas: list[p.DeltaMessage]) -> None:
+    def add(self, deltas: list[chp.DeltaMessage]) -> None:
         for d in deltas:
             if d.reasoning_content:
                 if not isinstance(self.open, rp.ReasoningItem):
@@ -217,7 +217,7 @@ class OpenAIServingResponses(OpenAIServing):
         super().__init__(state)
         self.chat = OpenAIServingChat(state)  # for its tool choice
         # response id → (the response, its conversation without instructions: what previous_response_id continues)
-        self.stored: OrderedDict[str, tuple[rp.ResponseObject, list[p.ChatMessage]]] = OrderedDict()
+        self.stored: OrderedDict[str, tuple[rp.ResponseObject, list[chp.ChatMessage]]] = OrderedDict()
 
     async def create_response(self, req: rp.ResponsesRequest, raw: Request):
         state = self.state
@@ -226,11 +226,11 @@ class OpenAIServingResponses(OpenAIServing):
             raise ParamError(f"a response has one output: n must be 1, got {req.n}", "n")
         items = [rp.InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
         conversation = self.previous_conversation(req.previous_response_id) + to_chat_messages(items)
-        messages = [p.ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+        messages = [chp.ChatMessage(role="system", content=req.instructions)] if req.instructions else []
         messages += conversation
-        chat_req = p.ChatCompletionRequest(messages=messages, tools=chat_tools(req.tools),
-                                           tool_choice=chat_tool_choice(req.tool_choice),
-                                           parallel_tool_calls=req.parallel_tool_calls)
+        chat_req = chp.ChatCompletionRequest(messages=messages, tools=chat_tools(req.tools),
+                                             tool_choice=chat_tool_choice(req.tool_choice),
+                                             parallel_tool_calls=req.parallel_tool_calls)
         tool_mode, named_tool, tool_constraint = self.chat.tool_choice(chat_req)
         try:
             prompt_text, prompt_ids = await state.render_chat(messages, True, False, None, chat_req.tools)
@@ -263,7 +263,7 @@ class OpenAIServingResponses(OpenAIServing):
         self.stored.move_to_end(response_id)
         return json_response(stored[0])
 
-    def previous_conversation(self, response_id: str | None) -> list[p.ChatMessage]:
+    def previous_conversation(self, response_id: str | None) -> list[chp.ChatMessage]:
         """previous_response_id: the earlier turns (its instructions are not carried over, as OpenAI does)."""
         if response_id is None:
             return []
@@ -304,7 +304,7 @@ class OpenAIServingResponses(OpenAIServing):
                     metadata=req.metadata or {}, user=req.user)
 
     def finished(self, echo: dict, assembler: OutputAssembler, finish_reason: str | None, prompt_ids: list[int],
-                 num_tokens: int, conversation: list[p.ChatMessage], store: bool) -> rp.ResponseObject:
+                 num_tokens: int, conversation: list[chp.ChatMessage], store: bool) -> rp.ResponseObject:
         """The final response, stored when asked for. Reasoning tokens are counted by re-encoding the reasoning
         text (the engine does not tell them apart)."""
         incomplete = finish_reason == "length"
@@ -325,7 +325,7 @@ class OpenAIServingResponses(OpenAIServing):
         return response
 
     def streamed_response(self, stream: GenerationStream, echo: dict, prompt_ids: list[int], parser: ChatOutputParser,
-                          conversation: list[p.ChatMessage], store: bool) -> EventStreamResponse:
+                          conversation: list[chp.ChatMessage], store: bool) -> EventStreamResponse:
         assembler = OutputAssembler(streaming=True)
         for name in ("response.created", "response.in_progress"):
             assembler.emit(rp.LifecycleEvent, name, rp.ResponseObject(**echo, status="in_progress", output=[]))

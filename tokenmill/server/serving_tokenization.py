@@ -3,7 +3,7 @@ no engine."""
 from __future__ import annotations
 
 from tokenmill.sampling_params import ParamError
-from tokenmill.server import protocol as p
+from tokenmill.server import tokenization_protocol as tp
 from tokenmill.server.responses import json_response
 from tokenmill.server.server_state import ServerState
 
@@ -12,7 +12,7 @@ class OpenAIServingTokenization:
     def __init__(self, state: ServerState):
         self.state = state
 
-    async def tokenize(self, req: p.TokenizeRequest):
+    async def tokenize(self, req: tp.TokenizeRequest):
         state = self.state
         state.check_model(req.model, runner=None)
         if req.messages is not None:
@@ -25,15 +25,15 @@ class OpenAIServingTokenization:
         else:
             raise ParamError("either prompt or messages is required", "prompt")
         strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None  # vocabulary pieces
-        return json_response(p.TokenizeResponse(len(ids), state.engine.max_model_len, ids, strs))
+        return json_response(tp.TokenizeResponse(len(ids), state.engine.max_model_len, ids, strs))
 
-    def detokenize(self, req: p.DetokenizeRequest):
+    def detokenize(self, req: tp.DetokenizeRequest):
         state = self.state
         state.check_model(req.model, runner=None)
         bad = [t for t in req.tokens if not 0 <= t < state.engine.vocab_size]
         if bad:
             raise ParamError(f"token id {bad[0]} is out of vocabulary (size {state.engine.vocab_size})", "tokens")
-        return json_response(p.DetokenizeResponse(state.tokenizer.decode(req.tokens)))
+        return json_response(tp.DetokenizeResponse(state.tokenizer.decode(req.tokens)))
 
     def tokenizer_info(self) -> dict:
         """vLLM's /tokenizer_info: the tokenizer's init arguments (tokenizer_config.json's content, file paths

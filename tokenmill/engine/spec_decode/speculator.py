@@ -13,9 +13,9 @@ The n-gram and suffix proposers answer one request at a time; a draft model (dra
 the step's speculating requests at once, one forward pass per draft position."""
 from __future__ import annotations
 
+from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.spec_decode import adaptive
-from tokenmill.engine.spec_decode.config import SpeculativeConfig
 from tokenmill.engine.spec_decode.ngram_proposer import NgramProposer
 from tokenmill.engine.spec_decode.suffix_proposer import SuffixProposer
 

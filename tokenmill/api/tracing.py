@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from tokenmill import envs
 
-logger = logging.getLogger("tokenmill.server.tracing")
+logger = logging.getLogger("tokenmill.api.tracing")
 
 
 @dataclass

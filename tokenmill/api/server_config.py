@@ -1,13 +1,16 @@
-"""The API server's own flags (the engine's are EngineConfig's), as one dataclass: field = flag, vLLM's names."""
+"""The API server's own flags (the engine's are EngineConfig's), as one dataclass: field = flag, vLLM's names; and
+`tokenmill serve`'s whole command line, which serve-ray (tokenmill/router/ray_serve.py) checks its replicas'
+flags with."""
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 
-from tokenmill.config import CliConfig
+from tokenmill.chat_templates import SHIPPED_TEMPLATES
+from tokenmill.config import CliConfig, EngineConfig
 from tokenmill.lora.request import LoRAModulePath
-from tokenmill.server.chat_utils import SHIPPED_TEMPLATES
-from tokenmill.server.tool_parsers import TOOL_PARSERS
+from tokenmill.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_N = 128  # OpenAI's own limit for n
 
@@ -80,3 +83,10 @@ class ServerConfig(CliConfig):
     def auto_tool_call_parser(self) -> str | None:
         """The parser for tool_choice "auto": set only with --enable-auto-tool-choice."""
         return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+
+def add_serve_cli_args(parser: argparse.ArgumentParser) -> None:
+    """`tokenmill serve`'s flags: the model, then the engine's and the API server's."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
+    EngineConfig.add_cli_args(parser)
+    ServerConfig.add_cli_args(parser)

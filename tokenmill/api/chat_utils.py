@@ -1,24 +1,12 @@
-"""Chat messages → prompt text and token ids, through the tokenizer's chat template."""
+"""Chat messages → prompt text and token ids, through the tokenizer's chat template (the server renders a chat
+request's prompt with it, the router the same prompt to predict its replica's prefix-cache hits)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+from tokenmill.api.chat_protocol import ChatMessage
 from tokenmill.sampling_params import ParamError
-from tokenmill.server.protocol import ChatMessage
 from tokenmill.tokenizer import encode
-
-TEMPLATES_DIR = Path(__file__).parent / "templates"
-SHIPPED_TEMPLATES = {path.stem: path for path in TEMPLATES_DIR.glob("*.jinja")}
-
-
-def load_chat_template(value: str) -> str:
-    """--chat-template: a shipped template's name, a file, or the Jinja text itself."""
-    if value in SHIPPED_TEMPLATES:
-        return SHIPPED_TEMPLATES[value].read_text()
-    if "{{" in value or "{%" in value:
-        return value
-    return Path(value).read_text()
 
 
 def _content_text(message: ChatMessage, i: int) -> str:

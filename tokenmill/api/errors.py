@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.api import chat_protocol as chp, completion_protocol as cp, protocol as p
 from tokenmill.sampling_params import ParamError
-from tokenmill.server import protocol as p
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -131,7 +131,7 @@ def _out_of_bounds(where: str, top_level: bool, error: dict) -> str:
     violated = error.get("ctx", {})
     bounds = dict(violated)
     if top_level:
-        for model in (p.CompletionRequest, p.ChatCompletionRequest):
+        for model in (cp.CompletionRequest, chp.ChatCompletionRequest):
             field = model.model_fields.get(where)
             if field is not None:
                 bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}

@@ -15,7 +15,7 @@ import signal
 
 import uvicorn
 
-from tokenmill.server.errors import ServiceUnavailable, exception_response
+from tokenmill.api.errors import ServiceUnavailable, exception_response
 
 logger = logging.getLogger("tokenmill.server")
 
