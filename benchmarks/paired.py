@@ -33,8 +33,10 @@ import sys
 import httpx
 
 from tokenmill.bench import datasets
-from tokenmill.bench.serve import (Endpoint, add_cli_args, endpoint_info, launch_server, run_closed_loop,
-                                   stop_server)
+from tokenmill.bench.client import Endpoint, endpoint_info
+from tokenmill.bench.launch import launch_server, stop_server
+from tokenmill.bench.loadgen import run_closed_loop
+from tokenmill.bench.serve import add_cli_args
 from tokenmill.models.paths import resolve_model_path
 from tokenmill.tokenizer import load_tokenizer
 

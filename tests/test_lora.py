@@ -459,7 +459,8 @@ def test_bench_serve_spreads_requests_over_the_adapters():
     """`bench serve --lora-modules`: each request asks for one of the adapters (vLLM's bench option)."""
     import argparse
 
-    from tokenmill.bench.serve import Endpoint, add_cli_args
+    from tokenmill.bench.client import Endpoint
+    from tokenmill.bench.serve import add_cli_args
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     endpoint = Endpoint("http://x", parser.parse_args(["--lora-modules", "a", "b", "c", "d"]), "base")

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 import msgspec
 import torch
 
-from tokenmill.bench.serve import hardware
+from tokenmill.bench.env_probe import hardware
 from tokenmill.bench.throughput import random_prompts
 from tokenmill.config import EngineConfig
 from tokenmill.detokenizer import IncrementalDetokenizer

@@ -1,11 +1,11 @@
 """Builds the CPU kernels (csrc/*.cpp) with g++ against the installed torch, once per instruction set.
 
 Plain g++ rather than torch's JIT loader: one library from a handful of sources, no ninja, and the ISA flags
-are ours. The same
-source is compiled for AVX-512 and for AVX2+FMA, each registering its ops under its own namespace
+are ours. The same sources (one per kernel family, sharing vec.h; torch_bindings.cpp registers every op) are
+compiled for AVX-512 and for AVX2+FMA, each registering its ops under its own namespace
 (torch.ops.tokenmill_avx512, torch.ops.tokenmill_avx2), so one process can load both (the tests compare them).
-A build is keyed by the source, the flags, torch's version and the compiler, and kept in the cache directory;
-`make` builds both ahead of time (python -m tokenmill.kernels), and a first use builds what is missing.
+A build is keyed by every source and header, the flags, torch's version and the compiler, and kept in the cache
+directory; `make` builds both ahead of time (python -m tokenmill.kernels), and a first use builds what is missing.
 
     python -m tokenmill.kernels [--isa avx512|avx2|all]
 """
@@ -30,7 +30,7 @@ CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 
 
 def sources() -> list[str]:
-    """The translation units (one concept each: cpu_ops.cpp, the quantized linear layers, ...)."""
+    """The translation units (one kernel family each: attention.cpp, quant_linear.cpp, ...)."""
     return sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],

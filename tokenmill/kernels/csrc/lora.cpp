@@ -15,17 +15,16 @@
 // 55, 170, 104 for the bf16 base projection; 256 prefill rows of one adapter 174, 67, 249, 157. Before the loops
 // were written with intrinsics (below), the same took 146, 38, 141, 94 and 1601, 412, 1076, 1227, and 4 adapters
 // at c=8 gave 0.75x the base model's output tok/s (benchmarks/lora.sh; now 0.88x).
-#include "lora.h"
-
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "ops.h"
 
 namespace TM_NAMESPACE {
 namespace {
@@ -289,20 +288,4 @@ void lora_delta(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const
   }
 }
 
-namespace {
-void lora_delta_op(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
-                   const at::Tensor& segments, const at::Tensor& ranks, at::IntArrayRef shard_out) {
-  lora_delta(out, x, a, b_t, segments, ranks, shard_out);
-}
-}  // namespace
-
 }  // namespace TM_NAMESPACE
-
-TORCH_LIBRARY_FRAGMENT(TM_NAMESPACE, m) {
-  m.def("lora_delta(Tensor(a!) out, Tensor x, Tensor a, Tensor b_t, Tensor segments, Tensor ranks, int[] shard_out) "
-        "-> ()");
-}
-
-TORCH_LIBRARY_IMPL(TM_NAMESPACE, CPU, m) {
-  m.impl("lora_delta", &TM_NAMESPACE::lora_delta_op);
-}

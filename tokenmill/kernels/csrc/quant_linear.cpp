@@ -32,12 +32,12 @@
 // the quants of 4 consecutive K of one output are one 32-bit lane, so one 64-byte vector holds 16 outputs x 4 K.
 // 8-bit: [G][K/32][8][16][4] int8. 4-bit: [G][K/32][4][16][4] bytes whose low nibbles are K 4j..4j+3 and high
 // nibbles K 16+4j..16+4j+3. meta [G][K/32][2][16] 16-bit: d, then m (fp16 bits).
-#include "quant_linear.h"
-
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -50,6 +50,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "ops.h"
 
 namespace TM_NAMESPACE {
 namespace {
@@ -660,7 +662,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return int16_linear(x, qweight, meta, bias, out_features, qweight.size(2) == 4);
 }
 
-namespace {
 // The dense weight in dtype (float32 or bfloat16), as the large-M path computes it.
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& meta, int64_t out_features,
                             at::ScalarType dtype) {
@@ -680,17 +681,5 @@ std::string quant_linear_path() {
 #endif
   return path;
 }
-}  // namespace
 
 }  // namespace TM_NAMESPACE
-
-TORCH_LIBRARY_FRAGMENT(TM_NAMESPACE, m) {
-  m.def("quant_linear(Tensor x, Tensor qweight, Tensor meta, Tensor? bias, int out_features) -> Tensor");
-  m.def("quant_dequantize(Tensor qweight, Tensor meta, int out_features, ScalarType dtype) -> Tensor");
-  m.def("quant_linear_path() -> str", [] { return TM_NAMESPACE::quant_linear_path(); });
-}
-
-TORCH_LIBRARY_IMPL(TM_NAMESPACE, CPU, m) {
-  m.impl("quant_linear", &TM_NAMESPACE::quant_linear);
-  m.impl("quant_dequantize", &TM_NAMESPACE::quant_dequantize);
-}

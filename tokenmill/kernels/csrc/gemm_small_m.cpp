@@ -1,0 +1,127 @@
+// Linear layers for a few rows (decode batches): y = x W^T (+ b), reading each weight byte once per call.
+// oneDNN reaches ~20 GB/s on these shapes; the weight stream is the whole cost, so the layout is made for it:
+// W is packed as [N / VL][K][VL] (float32) or, for bf16 with AVX512-BF16, [N / 16][K / 2][16 x (2 bf16)], so
+// one vector load feeds VL (or 16) outputs and every row of x reuses it from a register; no horizontal sums.
+// pack_small_m packs; small_m_linear multiplies. Rows are processed 8 at a time (8 accumulators in registers).
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace TM_NAMESPACE {
+
+namespace {
+
+constexpr int kSmallMRows = 8;
+
+#if defined(__AVX512F__)
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void small_m_bf16_block(
+    const uint16_t* x, int64_t x_stride, int rows, const uint32_t* w, int64_t k2, const float* bias,
+    uint16_t* y, int64_t y_stride) {
+  __m512 acc[kSmallMRows];
+  for (int m = 0; m < kSmallMRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k2; ++k) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k * 16);
+#pragma GCC unroll 8
+    for (int m = 0; m < kSmallMRows; ++m) {
+      if (m < rows) {
+        const int32_t pair = reinterpret_cast<const int32_t*>(x + m * x_stride)[k];
+        acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int m = 0; m < rows; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_stride), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b)));
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
+void small_m_f32_block(const float* x, int64_t x_stride, int rows, const float* w, int64_t K, const float* bias,
+                       float* y, int64_t y_stride) {
+  vfloat acc[kSmallMRows];
+  for (int m = 0; m < kSmallMRows; ++m) acc[m] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const vfloat wv = vload(w + k * VL);
+#pragma GCC unroll 8
+    for (int m = 0; m < kSmallMRows; ++m)
+      if (m < rows) acc[m] = vfma(vset1(x[m * x_stride + k]), wv, acc[m]);
+  }
+  const vfloat b = bias ? vload(bias) : vzero();
+  for (int m = 0; m < rows; ++m) vstore(y + m * y_stride, vadd(acc[m], b));
+}
+
+// The lanes of one packed block: VL floats, or 16 bf16 outputs on the AVX512-BF16 path.
+int64_t small_m_lanes(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : VL; }
+
+}  // namespace
+
+bool small_m_supported(at::ScalarType dtype) {
+#if defined(__AVX512F__)
+  if (dtype == at::kBFloat16) return cpu_has_avx512_bf16();
+#endif
+  return dtype == at::kFloat;
+}
+
+// weight [N, K] -> packed blocks (N padded to the lanes with zero rows); bf16: pairs along K as one int32.
+at::Tensor pack_small_m(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_small_m: a [N, K] weight");
+  TORCH_CHECK(small_m_supported(weight.scalar_type()), "pack_small_m: no small-M kernel for ", weight.scalar_type(),
+              " on this CPU");
+  const int64_t N = weight.size(0), K = weight.size(1), lanes = small_m_lanes(weight.scalar_type());
+  const int64_t Np = (N + lanes - 1) / lanes * lanes;
+  at::Tensor w = at::zeros({Np, K}, weight.options());
+  w.narrow(0, 0, N).copy_(weight);
+  if (weight.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(K % 2 == 0, "pack_small_m: bf16 needs an even K");
+    return w.view({Np / lanes, lanes, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  return w.view({Np / lanes, lanes, K}).permute({0, 2, 1}).contiguous();
+}
+
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                          int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == packed.scalar_type(),
+              "small_m_linear: x [rows, K] with contiguous rows, the weight's dtype");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t rows = x.size(0), K = x.size(1), lanes = small_m_lanes(x.scalar_type());
+  const int64_t blocks = packed.size(0), Np = blocks * lanes;
+  TORCH_CHECK(packed.numel() == Np * K && out_features <= Np, "small_m_linear: weight packed for another shape");
+  at::Tensor b;
+  if (bias.has_value() && bias->numel() > 0) {
+    b = at::zeros({Np}, x.options().dtype(at::kFloat));
+    b.narrow(0, 0, out_features).copy_(*bias);
+  }
+  at::Tensor y = at::empty({rows, Np}, x.options());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t m0 = 0; m0 < rows; m0 += kSmallMRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kSmallMRows, rows - m0));
+        const float* bias_block = bp ? bp + nb * lanes : nullptr;
+        if (bf16) {
+#if defined(__AVX512F__)
+          small_m_bf16_block(reinterpret_cast<const uint16_t*>(x.data_ptr()) + m0 * x.stride(0), x.stride(0), r,
+                             reinterpret_cast<const uint32_t*>(packed.data_ptr()) + nb * (K / 2) * 16, K / 2,
+                             bias_block, reinterpret_cast<uint16_t*>(y.data_ptr()) + m0 * Np + nb * lanes, Np);
+#endif
+        } else {
+          small_m_f32_block(x.data_ptr<float>() + m0 * x.stride(0), x.stride(0), r,
+                            packed.data_ptr<float>() + nb * K * lanes, K, bias_block,
+                            y.data_ptr<float>() + m0 * Np + nb * lanes, Np);
+        }
+      }
+    }
+  });
+  return Np == out_features ? y : y.narrow(1, 0, out_features);
+}
+
+}  // namespace TM_NAMESPACE
