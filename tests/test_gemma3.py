@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import tokenmill.engine.runner as runner_module
-from conftest import hf_greedy
-from test_correctness import TEXT
+from helpers import TEXT, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import runnable_isas
 

@@ -14,8 +14,7 @@ import httpx
 import psutil
 import pytest
 from fake_engine import API_KEY, MODEL, InProcessServer
-from polling import wait_until
-from server_utils import RemoteServer
+from helpers import RemoteServer, wait_until
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.messages import EngineCoreOutput

@@ -30,7 +30,7 @@ from tokenmill.engine.spec_decode.config import SpeculativeConfig
 from tokenmill.engine.spec_decode.ngram_proposer import NgramProposer
 from tokenmill.engine.spec_decode.rejection_sampler import general_rejection_sample, verify
 from tokenmill.engine.spec_decode.suffix_proposer import SuffixProposer
-from server_utils import MODEL, RemoteServer, metric_value, scrape_metrics, server  # noqa: F401 - the fixture
+from helpers import MODEL, RemoteServer, metric_value, scrape_metrics
 
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the one hundred and twelve "
