@@ -78,19 +78,30 @@ def shared_llm():
     return LLM(dtype="float32", kv_cache_memory="512MiB", max_model_len=2048, quantization="none")
 
 
-@pytest.fixture(scope="module")
-def llm(shared_llm):
-    """shared_llm, run on one torch thread while the module's tests use it: decoding a few sequences gains little
-    from a second thread, and where other processes share the cores, torch's thread pool then makes each step
-    several times slower."""
+def _on_one_torch_thread(value):
+    """Yields value with torch on one thread, then puts the thread count back: decoding a few sequences gains
+    little from a second thread, and where other processes share the cores, torch's thread pool then makes each
+    step several times slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield shared_llm
+    yield value
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def llm(shared_llm):
+    """shared_llm, run on one torch thread while the module's tests use it."""
+    yield from _on_one_torch_thread(shared_llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(shared_tiny_llm):
+    """shared_tiny_llm, run on one torch thread while the module's tests use it."""
+    yield from _on_one_torch_thread(shared_tiny_llm)
+
+
 @pytest.fixture(scope="session")
-def tiny_llm(tokenizer, tmp_path_factory):
+def shared_tiny_llm(tokenizer, tmp_path_factory):
     """An offline LLM on a tiny random Llama (the scheduler tests' shape) that uses the default model's tokenizer,
     for the engine mechanics that need no real weights (seeds, n, max_tokens, stop strings and ids, EOS, metrics,
     prompt forms): a step takes milliseconds. Its weights are wide enough (initializer range 0.5) that its greedy
@@ -140,11 +151,12 @@ def tokenizer(default_gguf):
 
 
 # A test that takes one of these fixtures, directly or through another fixture, is marked slow below: those that
-# start a real `tokenmill serve` process (by convention any fixture named `*_server` does too), and HF's reference
-# model (~13 s to load on 2 cores). A test that starts a server itself (RemoteServer, `tokenmill serve`,
-# `bench serve --launch`) or runs long for another reason carries @pytest.mark.slow, or its module a pytestmark.
-SERVER_FIXTURES = {"server", "lone_server", "obs_server", "tool_server"}
-SLOW_FIXTURES = SERVER_FIXTURES | {"hf_reference"}
+# start a real `tokenmill serve` process (by convention any fixture named `*_server` does too), HF's reference
+# model (~13 s to load on 2 cores) and the default model's offline LLM (~9 s; tiny_llm is for the fast loop). A
+# test that starts a server itself (RemoteServer, `tokenmill serve`, `bench serve --launch`) or runs long for
+# another reason carries @pytest.mark.slow, or its module a pytestmark.
+SERVER_FIXTURES = {"servers", "server", "lone_server", "obs_server", "tool_server"}
+SLOW_FIXTURES = SERVER_FIXTURES | {"hf_reference", "shared_llm"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -212,8 +212,8 @@ _WEIGHTS: dict[tuple, Any] = {}
 
 
 def llm_sharing_weights(**kw):
-    """A fresh engine (scheduler, KV pool, runner) on the default model per configuration; the weights are loaded
-    from the GGUF once per (dtype, quantization) for the whole test run and reused, since dequantizing them is
+    """A fresh engine (scheduler, KV pool, runner) per configuration, on the default model unless `model` is
+    given; the weights are loaded once per (file, dtype, quantization) for the whole test run and reused, since dequantizing them is
     most of the start-up time. The model holds no per-engine state. Quantization none unless asked: HF's
     reference runs on the dequantized GGUF weights."""
     import pytest
@@ -223,7 +223,7 @@ def llm_sharing_weights(**kw):
     real = runner_module.load_model
 
     def load_once(info, dtype, device, max_positions, *rest):
-        key = (dtype, *rest)
+        key = (info.path, dtype, *rest)
         if key not in _WEIGHTS:
             _WEIGHTS[key] = real(info, dtype, device, max_positions, *rest)
         return _WEIGHTS[key]

@@ -260,7 +260,7 @@ def _cum(logprobs) -> float:
     return sum(logprobs)
 
 
-def test_completions_beam_search(server):  # noqa: F811
+def test_completions_beam_search(server):
     client = server.openai()
     beams = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, n=3, logprobs=1,
                                       extra_body={"use_beam_search": True, "ignore_eos": True})
@@ -276,7 +276,7 @@ def test_completions_beam_search(server):  # noqa: F811
     assert cums[0] >= _cum(greedy.choices[0].logprobs.token_logprobs) - 1e-4
 
 
-def test_chat_beam_search_shares_the_prompt_and_streams(server):  # noqa: F811
+def test_chat_beam_search_shares_the_prompt_and_streams(server):
     client = server.openai()
     messages = [{"role": "system", "content": "You are a terse assistant who answers in one short sentence."},
                 *CHAT]
