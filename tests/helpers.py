@@ -121,16 +121,21 @@ class RemoteServer:
         self.broken = True
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 30)
         self.log.close()
         if os.path.exists(self.log.name):
             os.unlink(self.log.name)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, and SIGKILL if the process has not exited timeout_s later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def scrape_metrics(server) -> dict[str, dict]:
@@ -151,12 +156,6 @@ def metric_value(m: dict, family: str, sample: str, **labels) -> float:
 
 
 # ---------------------------------------------------------------- polling
-
-def _failure(message, timeout_s: float, last_error: BaseException | None) -> AssertionError:
-    text = message() if callable(message) else message
-    suffix = f" (last error: {last_error!r})" if last_error is not None else ""
-    return AssertionError(f"timed out after {timeout_s:g} s waiting for {text}{suffix}")
-
 
 def wait_until(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1,
                message: str | Callable[[], str] = "the condition",
@@ -186,7 +185,9 @@ async def wait_until_async(predicate: Callable[[], Any], timeout_s: float, inter
             last_error = e
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _failure(message, timeout_s, last_error)
+            suffix = f" (last error: {last_error!r})" if last_error is not None else ""
+            text = message() if callable(message) else message
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {text}{suffix}")
         await asyncio.sleep(min(interval_s, remaining))
 
 

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from helpers import (SERVER_ARGS, SYSTEMS, OtlpReceiver, RemoteServer, free_port, prefix_workload_homes, router_chat,
-                     wait_until)
+                     stop_process, wait_until)
 
 from tokenmill.engine.block_hash import hash_block_tokens
 from tokenmill.engine.kv_cache import KVCacheManager
@@ -328,13 +328,7 @@ class RouterProcess:
         return router_chat(self.url, content, system)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 15)
         self.log.close()
         os.unlink(self.log.name)
 

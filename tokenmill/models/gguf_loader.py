@@ -2,8 +2,6 @@
 quantized (Q4_0, Q4_1, Q8_0: tokenmill/models/quantization.py)."""
 from __future__ import annotations
 
-import functools
-import os
 import re
 
 import numpy as np
@@ -29,19 +27,6 @@ _LAYER_NAMES = {
 _GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def gguf_reader(path: str) -> GGUFReader:
-    """The file's reader, parsed once per process (per path, size and mtime): parsing the metadata takes seconds for
-    a large vocabulary (Gemma 3's 262k tokens: ~20 s on 2 loaded cores), and an engine reads the file twice, its
-    config and then its weights, as does every further LLM over the same file."""
-    st = os.stat(path)
-    return _cached_reader(os.path.abspath(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)  # a model and its draft model
-def _cached_reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    return GGUFReader(path)
 
 
 def _field(reader: GGUFReader, key: str, default=None):
