@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded default model and its HF transformers reference."""
+"""Shared fixtures: the default model, its tokenizer and HF transformers reference, the real server, the offline
+LLM the engine-API tests share, and prompts cut from one text. Helpers (plain functions) are in helpers.py."""
 from __future__ import annotations
 
 import os
@@ -39,17 +40,123 @@ def app(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def servers():
+    """Real `tokenmill serve` processes by configuration, started on first use and stopped when the test run
+    ends: every module that asks for a configuration gets the same process (its model loads once)."""
+    from helpers import RemoteServer
+    running: dict[str, RemoteServer] = {}
+
+    def get(name: str, *args, **kwargs) -> RemoteServer:
+        s = running.get(name)
+        if s is None or not s.alive:  # a test that killed the engine marked it broken: start a fresh one
+            if s is not None:
+                s.stop()
+            s = running[name] = RemoteServer(*args, **kwargs)
+        return s
+
+    yield get
+    for s in running.values():
+        s.stop()
+
+
+@pytest.fixture
+def server(servers):
+    """The default configuration (helpers.SERVER_ARGS). Function-scoped over the session's process, so that a
+    test after one that broke the server gets a fresh one. The key comes from the environment, which exercises
+    TOKENMILL_API_KEY."""
+    from helpers import API_KEY
+    return servers("default", env={"TOKENMILL_API_KEY": API_KEY})
+
+
+@pytest.fixture(scope="session")
+def shared_llm():
+    """The offline LLM on the default model that the engine-API tests share (LLM.generate, beam search,
+    structured output, bench step): the model loads once. quantization none: logprobs and beams are compared with
+    HF's float32 model on the dequantized GGUF weights; 512 MiB of KV cache cannot hold one sequence of the
+    model's 8192 positions, so the length is capped."""
+    from tokenmill import LLM
+    return LLM(dtype="float32", kv_cache_memory="512MiB", max_model_len=2048, quantization="none")
+
+
+def _on_one_torch_thread(value):
+    """Yields value with torch on one thread, then puts the thread count back: decoding a few sequences gains
+    little from a second thread, and where other processes share the cores, torch's thread pool then makes each
+    step several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield value
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llm(shared_llm):
+    """shared_llm, run on one torch thread while the module's tests use it."""
+    yield from _on_one_torch_thread(shared_llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(shared_tiny_llm):
+    """shared_tiny_llm, run on one torch thread while the module's tests use it."""
+    yield from _on_one_torch_thread(shared_tiny_llm)
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_llm(tokenizer, tmp_path_factory):
+    """An offline LLM on a tiny random Llama (the scheduler tests' shape) that uses the default model's tokenizer,
+    for the engine mechanics that need no real weights (seeds, n, max_tokens, stop strings and ids, EOS, metrics,
+    prompt forms): a step takes milliseconds. Its weights are wide enough (initializer range 0.5) that its greedy
+    text is varied gibberish, not one token repeated, which is what the stop-string tests need."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tokenmill import LLM
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                         initializer_range=0.5, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("tiny-llama-default-tokenizer")
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="session")
+def stream(tokenizer) -> list[int]:
+    """helpers.TEXT as token ids."""
+    from helpers import TEXT
+    return tokenizer.encode(TEXT, add_special_tokens=False)
+
+
+@pytest.fixture(scope="session")
+def prompts(stream) -> list[list[int]]:
+    """Mixed lengths (helpers.PROMPT_LENGTHS), each a different window of the text."""
+    from helpers import PROMPT_LENGTHS
+    assert len(stream) >= max(PROMPT_LENGTHS) + 7 * 40
+    return [stream[i * 40:i * 40 + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="session")
+def prefix_prompts(stream) -> list[list[int]]:
+    """A 200-token shared prefix with different suffixes, exact duplicates, and the first 12 blocks alone."""
+    prefix = stream[-200:]
+    suffixes = [stream[s:s + n] for s, n in ((0, 3), (20, 9), (60, 17), (100, 30), (150, 45))]
+    unique = [prefix + s for s in suffixes]
+    return unique + [unique[0], unique[2], prefix[:192]]
+
+
+@pytest.fixture(scope="session")
 def tokenizer(default_gguf):
     from tokenmill.tokenizer import load_tokenizer
     return load_tokenizer(default_gguf)
 
 
 # A test that takes one of these fixtures, directly or through another fixture, is marked slow below: those that
-# start a real `tokenmill serve` process (by convention any fixture named `*_server` does too), and HF's reference
-# model (~13 s to load on 2 cores). A test that starts a server itself (RemoteServer, `tokenmill serve`,
-# `bench serve --launch`) or runs long for another reason carries @pytest.mark.slow, or its module a pytestmark.
-SERVER_FIXTURES = {"server", "lone_server", "obs_server", "tool_server"}
-SLOW_FIXTURES = SERVER_FIXTURES | {"hf_reference"}
+# start a real `tokenmill serve` process (by convention any fixture named `*_server` does too), HF's reference
+# model (~13 s to load on 2 cores) and the default model's offline LLM (~9 s; tiny_llm is for the fast loop). A
+# test that starts a server itself (RemoteServer, `tokenmill serve`, `bench serve --launch`) or runs long for
+# another reason carries @pytest.mark.slow, or its module a pytestmark.
+SERVER_FIXTURES = {"servers", "server", "lone_server", "obs_server", "tool_server"}
+SLOW_FIXTURES = SERVER_FIXTURES | {"hf_reference", "shared_llm"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -58,74 +165,3 @@ def pytest_collection_modifyitems(config, items):
         fixtures = getattr(item, "fixturenames", ())  # the whole closure: fixtures of fixtures too
         if any(name in SLOW_FIXTURES or name.endswith("_server") for name in fixtures):
             item.add_marker(pytest.mark.slow)
-
-
-def single_threaded_llm(**engine_args):
-    """An offline LLM for a test module, run on one torch thread (yield from it in a module-scoped fixture).
-
-    Decoding a few sequences gains little from a second thread, and where other processes share the cores,
-    torch's thread pool then makes each step several times slower."""
-    from tokenmill import LLM
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield LLM(dtype="float32", **engine_args)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """HF greedy continuation, forced to max_new_tokens (ignore EOS), one prompt at a time (no padding)."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
-
-
-def teacher_forced_agreement(llm, prompts: list[list[int]], refs: list[list[int]],
-                             decode_steps: bool = False) -> tuple[float, float]:
-    """The quality measure of the README and issue 15: the reference's greedy continuation fed as prompt; the
-    share of positions where the reference's token is also llm's top-1, and where it is llm's unique maximum
-    (strict: a tie counts as disagreement).
-
-    decode_steps: each prompt is prefilled in one step, then its continuation fed one token per step, so that
-    every scored position is computed as decoding computes it: the tokens before it read from the KV cache as
-    stored, only its own K/V as just computed. In one prefill, a chunk's positions read each other's K/V as
-    computed (a one-byte KV cache is only written), so that measure barely sees a quantized cache."""
-    from tokenmill import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
-    if decode_steps:
-        logprobs = [_prompt_logprobs_by_decode_steps(llm, f"decode-steps-{i}", p, r, params)
-                    for i, (p, r) in enumerate(zip(prompts, refs))]
-    else:
-        logprobs = [o.prompt_logprobs for o in llm.generate([p + r for p, r in zip(prompts, refs)], params,
-                                                            use_tqdm=False)]
-    top1, strict = [], []
-    for p, r, lps in zip(prompts, refs, logprobs):
-        entries = lps[len(p):]
-        assert [e.token_id for e in entries] == r
-        for e in entries:
-            top1.append(e.rank == 1)
-            strict.append(e.rank == 1 and e.top_logprobs[1] < e.logprob)
-    return sum(top1) / len(top1), sum(strict) / len(strict)
-
-
-def _prompt_logprobs_by_decode_steps(llm, request_id: str, prompt: list[int], ref: list[int], params):
-    """The prompt logprobs of prompt + ref with the prompt in one step and ref one token per step (the engine
-    runs nothing else meanwhile): the scheduler's token budget set to the prompt, then to 1. On one torch thread,
-    as single_threaded_llm explains: one-token steps gain little from a second."""
-    engine, scheduler = llm.engine, llm.engine.scheduler
-    budget, threads = scheduler.max_num_batched_tokens, torch.get_num_threads()
-    engine.add_request(request_id, prompt + ref, params)
-    scheduler.max_num_batched_tokens = len(prompt)
-    torch.set_num_threads(1)
-    logprobs = []
-    try:
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                logprobs += o.prompt_logprobs or []
-            scheduler.max_num_batched_tokens = 1
-    finally:
-        scheduler.max_num_batched_tokens = budget
-        torch.set_num_threads(threads)
-    return logprobs

@@ -125,7 +125,7 @@ class InProcessServer:
                             enable_prefix_caching=True)
         self.client = FakeEngineClient(tokenizer, ready)
         self.config = ServerConfig(**{"api_key": API_KEY, "max_n": 8, "enable_tokenizer_info_endpoint": True,
-                                      "enable_server_load_tracking": True, **config})  # as server_utils.SERVER_ARGS
+                                      "enable_server_load_tracking": True, **config})  # as helpers.SERVER_ARGS
         self.state = ServerState(self.client, tokenizer, ready, self.config, MODEL)
         self.lifecycle = Lifecycle(shutdown_timeout_s=30)
         self.lifecycle.phase = "ready"
@@ -137,3 +137,11 @@ class InProcessServer:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.root), base_url="http://tokenmill",
                                  headers=headers, timeout=10)
+
+
+async def post(app: InProcessServer, path: str, body: dict | str, api_key: str | None = API_KEY) -> httpx.Response:
+    """POST a JSON body (a dict, or a string sent as it is) to the in-process app."""
+    async with app.http(api_key) as client:
+        if isinstance(body, str):
+            return await client.post(path, content=body, headers={"Content-Type": "application/json"})
+        return await client.post(path, json=body)

@@ -16,6 +16,12 @@ def error_object(r: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
+def json_error(r: httpx.Response, status: int) -> dict:
+    """error_object, sent as JSON."""
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    return error_object(r, status)
+
+
 def sse_events(response: httpx.Response) -> list:
     """Parses an SSE body, checking the framing: every event is one 'data: ...' line followed by a blank line, and
     the stream ends with [DONE], once."""

@@ -12,8 +12,8 @@ import sys
 
 import httpx
 import pytest
-from fake_engine import API_KEY, CONTINUATION, MODEL, InProcessServer
-from openai_shapes import error_object, sse_events
+from fake_engine import CONTINUATION, MODEL, InProcessServer, post
+from openai_shapes import json_error, sse_events
 
 pytestmark = pytest.mark.anyio
 
@@ -22,21 +22,9 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def _error(r: httpx.Response, status: int) -> dict:
-    assert r.headers["content-type"].startswith("application/json"), r.text
-    return error_object(r, status)
-
-
 def _sse_events(r: httpx.Response) -> list:
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
     return sse_events(r)
-
-
-async def _post(app: InProcessServer, path: str, body: dict | str, api_key: str | None = API_KEY) -> httpx.Response:
-    async with app.http(api_key) as client:
-        if isinstance(body, str):
-            return await client.post(path, content=body, headers={"Content-Type": "application/json"})
-        return await client.post(path, json=body)
 
 
 # ---- 400: validation ----
@@ -85,7 +73,7 @@ CHAT_CASES = [
 
 @pytest.mark.parametrize("override,param,fragment", CHAT_CASES, ids=[f"{c[1]}-{i}" for i, c in enumerate(CHAT_CASES)])
 async def test_chat_bad_request(app, override, param, fragment):
-    err = _error(await _post(app, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
+    err = json_error(await post(app, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
                                                            **override}), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert fragment in err["message"], err
@@ -108,7 +96,7 @@ COMPLETION_CASES = [
 @pytest.mark.parametrize("override,param,fragment", COMPLETION_CASES,
                          ids=[f"{c[1]}-{i}" for i, c in enumerate(COMPLETION_CASES)])
 async def test_completion_bad_request(app, override, param, fragment):
-    err = _error(await _post(app, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4,
+    err = json_error(await post(app, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4,
                                                       **override}), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert fragment in err["message"], err
@@ -129,55 +117,55 @@ HOSTILE = [
 async def test_hostile_values_are_400(app, body, param):
     if isinstance(body, dict):
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **body}
-    assert _error(await _post(app, "/v1/completions", body), 400)["param"] == param
+    assert json_error(await post(app, "/v1/completions", body), 400)["param"] == param
 
 
 async def test_missing_required_field(app):
-    err = _error(await _post(app, "/v1/completions", {"model": MODEL}), 400)
+    err = json_error(await post(app, "/v1/completions", {"model": MODEL}), 400)
     assert err["param"] == "prompt" and "required" in err["message"]
-    err = _error(await _post(app, "/v1/chat/completions", {"model": MODEL}), 400)
+    err = json_error(await post(app, "/v1/chat/completions", {"model": MODEL}), 400)
     assert err["param"] == "messages"
 
 
 @pytest.mark.parametrize("body", ['{"model": "x", "prompt": ', "not json at all", "[1, 2"])
 async def test_malformed_json(app, body):
-    err = _error(await _post(app, "/v1/completions", body), 400)
+    err = json_error(await post(app, "/v1/completions", body), 400)
     assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
 
 
 async def test_body_not_an_object(app):
-    assert _error(await _post(app, "/v1/chat/completions", "[1, 2]"), 400)["type"] == "invalid_request_error"
+    assert json_error(await post(app, "/v1/chat/completions", "[1, 2]"), 400)["type"] == "invalid_request_error"
 
 
 async def test_context_length_exceeded(app):
     long_prompt = "hello " * 1500  # ~1500 tokens; max_model_len is 2048
-    err = _error(await _post(app, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 1000}),
+    err = json_error(await post(app, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 1000}),
                  400)
     assert err["param"] == "max_tokens" and "maximum context length is 2048" in err["message"]
-    n_prompt = (await _post(app, "/tokenize", {"prompt": long_prompt})).json()["count"]
+    n_prompt = (await post(app, "/tokenize", {"prompt": long_prompt})).json()["count"]
     assert f"{n_prompt + 1000} tokens" in err["message"] and f"{n_prompt} in the messages" in err["message"]
     # chat without max_tokens: the prompt alone is too long
-    err = _error(await _post(app, "/v1/chat/completions",
+    err = json_error(await post(app, "/v1/chat/completions",
                              {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 2100}]}), 400)
     assert "2048" in err["message"]
 
 
 async def test_request_larger_than_the_kv_pool(tokenizer):
     small = InProcessServer(tokenizer, max_model_len=4096, num_blocks=200)  # 3,200 tokens of KV cache
-    err = _error(await _post(small, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3500}), 400)
+    err = json_error(await post(small, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3500}), 400)
     assert "KV cache" in err["message"] and "3200" in err["message"] and err["param"] == "max_tokens"
     assert not small.client.added  # refused before anything reached the engine
 
 
 async def test_errors_come_before_the_stream(app):
-    r = await _post(app, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 0, "stream": True})
-    assert _error(r, 400)["param"] == "max_tokens"
+    r = await post(app, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 0, "stream": True})
+    assert json_error(r, 400)["param"] == "max_tokens"
 
 
 async def test_detokenize_out_of_vocabulary(app):
-    err = _error(await _post(app, "/detokenize", {"tokens": [1, 10**7]}), 400)
+    err = json_error(await post(app, "/detokenize", {"tokens": [1, 10**7]}), 400)
     assert err["param"] == "tokens" and "vocabulary" in err["message"]
-    assert _error(await _post(app, "/tokenize", {}), 400)["param"] == "prompt"
+    assert json_error(await post(app, "/tokenize", {}), 400)["param"] == "prompt"
 
 
 # ---- 401 and 404 ----
@@ -185,8 +173,8 @@ async def test_detokenize_out_of_vocabulary(app):
 async def test_api_key(app):
     for key in (None, "wrong"):
         async with app.http(key) as client:
-            assert _error(await client.get("/v1/models"), 401)["type"] == "authentication_error"
-            _error(await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT}), 401)
+            assert json_error(await client.get("/v1/models"), 401)["type"] == "authentication_error"
+            json_error(await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT}), 401)
             # only /v1/* is behind the key
             assert (await client.get("/health")).status_code == 200
             assert (await client.post("/tokenize", json={"prompt": "x"})).status_code == 200
@@ -200,13 +188,13 @@ async def test_api_key(app):
 
 
 async def test_unknown_model_and_route(app):
-    err = _error(await _post(app, "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}), 404)
+    err = json_error(await post(app, "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}), 404)
     assert err["type"] == "not_found_error" and err["param"] == "model" and "gpt-9" in err["message"]
-    assert _error(await _post(app, "/v1/completions", {"model": "nope", "prompt": "x"}), 404)["param"] == "model"
-    assert _error(await _post(app, "/tokenize", {"model": "nope", "prompt": "x"}), 404)["param"] == "model"
+    assert json_error(await post(app, "/v1/completions", {"model": "nope", "prompt": "x"}), 404)["param"] == "model"
+    assert json_error(await post(app, "/tokenize", {"model": "nope", "prompt": "x"}), 404)["param"] == "model"
     async with app.http() as client:
-        assert _error(await client.get("/v1/nothing-here"), 404)["type"] == "not_found_error"
-        assert _error(await client.get("/v1/completions"), 405)["type"] == "invalid_request_error"
+        assert json_error(await client.get("/v1/nothing-here"), 404)["type"] == "not_found_error"
+        assert json_error(await client.get("/v1/completions"), 405)["type"] == "invalid_request_error"
 
 
 # ---- 503 ----
@@ -215,14 +203,14 @@ async def test_queue_limits_answer_503_with_retry_after(tokenizer):
     app = InProcessServer(tokenizer, max_num_queued_reqs=8, max_num_queued_tokens=10_000)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
     app.client.num_queued_requests = 7
-    assert (await _post(app, "/v1/completions", body)).status_code == 200
-    r = await _post(app, "/v1/completions", {**body, "n": 2})  # 7 + 2 > 8
-    err = _error(r, 503)
+    assert (await post(app, "/v1/completions", body)).status_code == 200
+    r = await post(app, "/v1/completions", {**body, "n": 2})  # 7 + 2 > 8
+    err = json_error(r, 503)
     assert err["type"] == "overloaded_error" and "--max-num-queued-reqs 8" in err["message"]
     assert int(r.headers["retry-after"]) > 0
     app.client.num_queued_requests, app.client.num_queued_tokens = 0, 10_000
-    r = await _post(app, "/v1/completions", body)
-    assert _error(r, 503)["type"] == "overloaded_error" and "--max-num-queued-tokens" in r.json()["error"]["message"]
+    r = await post(app, "/v1/completions", body)
+    assert json_error(r, 503)["type"] == "overloaded_error" and "--max-num-queued-tokens" in r.json()["error"]["message"]
     assert int(r.headers["retry-after"]) > 0
 
 
@@ -232,7 +220,7 @@ async def test_loading_and_draining_answer_503(tokenizer, phase, why):
     app.lifecycle.phase = phase
     async with app.http() as client:
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
-        err = _error(r, 503)
+        err = json_error(r, 503)
         assert err["type"] == "service_unavailable_error" and why in err["message"]
         assert int(r.headers["retry-after"]) > 0
         assert (await client.get("/health/live")).status_code == 200  # alive
@@ -255,7 +243,7 @@ async def test_dead_engine_fails_the_stream_in_flight_and_later_requests_with_50
         assert events[-1] == "data: [DONE]"
         assert error["code"] == 503 and error["type"] == "service_unavailable_error" and "engine" in error["message"]
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Twice", "max_tokens": 2})
-        err = _error(r, 503)
+        err = json_error(r, 503)
         assert err == error  # one table: the same error object in a stream and in a response
         assert (await client.get("/health")).status_code == 503
         assert (await client.get("/health/live")).status_code == 200  # the process still answers (it exits soon)
@@ -264,7 +252,7 @@ async def test_dead_engine_fails_the_stream_in_flight_and_later_requests_with_50
 # ---- 200: SSE framing and the shape of responses ----
 
 async def test_chat_sse_framing(app):
-    r = await _post(app, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 6, "stream": True,
+    r = await post(app, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 6, "stream": True,
                                                   "n": 2, "stream_options": {"include_usage": True}})
     events = _sse_events(r)
     assert len({e["id"] for e in events}) == 1 and all(e["object"] == "chat.completion.chunk" for e in events)
@@ -279,7 +267,7 @@ async def test_chat_sse_framing(app):
 
 
 async def test_completion_sse_framing_with_echo_and_logprobs(app):
-    r = await _post(app, "/v1/completions", {"model": MODEL, "prompt": "Say", "max_tokens": 5, "stream": True,
+    r = await post(app, "/v1/completions", {"model": MODEL, "prompt": "Say", "max_tokens": 5, "stream": True,
                                              "echo": True, "logprobs": 1})
     events = _sse_events(r)
     choices = [e["choices"][0] for e in events]
@@ -291,7 +279,7 @@ async def test_completion_sse_framing_with_echo_and_logprobs(app):
 
 
 async def test_non_streaming_shapes_and_usage(app, tokenizer):
-    r = await _post(app, "/v1/completions", {"model": MODEL, "prompt": ["One", "Two three"], "max_tokens": 4,
+    r = await post(app, "/v1/completions", {"model": MODEL, "prompt": ["One", "Two three"], "max_tokens": 4,
                                              "n": 2, "logprobs": 2, "echo": True})
     body = r.json()
     assert r.status_code == 200 and body["object"] == "text_completion" and len(body["choices"]) == 4
@@ -302,7 +290,7 @@ async def test_non_streaming_shapes_and_usage(app, tokenizer):
                              "prompt_tokens_details": {"cached_tokens": 0}}
     lp = body["choices"][0]["logprobs"]
     assert lp["token_logprobs"][0] is None and "".join(lp["tokens"]) == body["choices"][0]["text"]
-    r = await _post(app, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 5,
+    r = await post(app, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 5,
                                                   "logprobs": True, "top_logprobs": 2, "stop": [" green"]})
     choice = r.json()["choices"][0]
     assert choice["message"]["role"] == "assistant" and choice["message"]["content"] == " Red,"

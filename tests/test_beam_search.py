@@ -9,8 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import single_threaded_llm
-from server_utils import MODEL, server  # noqa: F401 - the fixture
+from helpers import MODEL
 from tokenmill.beam_search import (BeamSearch, BeamSearchParams, advance_all, beam_search_score, check_beam_width,
                                    live_beams)
 from tokenmill.logprobs import TokenLogprobs
@@ -167,12 +166,6 @@ CHAT = [{"role": "user", "content": "What is 2+2? Answer with just the number."}
 
 
 @pytest.fixture(scope="module")
-def llm():
-    # quantization none: the GGUF dequantized to float32, the weights HF's reference runs on
-    yield from single_threaded_llm(max_model_len=512, quantization="none")
-
-
-@pytest.fixture(scope="module")
 def chat_ids(llm):
     text = llm.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     return llm.tokenizer.encode(text, add_special_tokens=False)
@@ -267,7 +260,7 @@ def _cum(logprobs) -> float:
     return sum(logprobs)
 
 
-def test_completions_beam_search(server):  # noqa: F811
+def test_completions_beam_search(server):
     client = server.openai()
     beams = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, n=3, logprobs=1,
                                       extra_body={"use_beam_search": True, "ignore_eos": True})
@@ -283,7 +276,7 @@ def test_completions_beam_search(server):  # noqa: F811
     assert cums[0] >= _cum(greedy.choices[0].logprobs.token_logprobs) - 1e-4
 
 
-def test_chat_beam_search_shares_the_prompt_and_streams(server):  # noqa: F811
+def test_chat_beam_search_shares_the_prompt_and_streams(server):
     client = server.openai()
     messages = [{"role": "system", "content": "You are a terse assistant who answers in one short sentence."},
                 *CHAT]

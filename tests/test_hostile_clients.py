@@ -14,8 +14,7 @@ import httpx
 import psutil
 import pytest
 from fake_engine import API_KEY, MODEL, InProcessServer
-from polling import wait_until
-from server_utils import RemoteServer
+from helpers import RemoteServer, wait_until
 
 from tokenmill.api.errors import StreamStalled
 from tokenmill.config import EngineConfig

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import reference_attention, scattered_tables
 from tokenmill.kernels import load_ops, runnable_isas
 
 ISAS = runnable_isas()
@@ -28,38 +29,6 @@ def to_kernel_layout(k_cache, v_cache):
 
 def from_kernel_layout(k_kernel, v_kernel):
     return k_kernel.permute(0, 3, 1, 2), v_kernel.permute(0, 2, 1, 3)
-
-
-def scattered_tables(contexts: list[int], block_size: int, num_blocks: int, generator) -> list[list[int]]:
-    """Each sequence's blocks scattered over the pool in random order, the tables padded to one width."""
-    perm = torch.randperm(num_blocks, generator=generator).tolist()
-    width = max(-(-c // block_size) for c in contexts)
-    tables, used = [], 0
-    for c in contexts:
-        n = -(-c // block_size)
-        tables.append(perm[used:used + n] + [0] * (width - n))
-        used += n
-    return tables
-
-
-def reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window=None):
-    """float64, one sequence at a time, from the blocks the table names; window: keys pos - window + 1..pos."""
-    out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[1] // k_cache.shape[2]
-    for s in range(len(seq_lens)):
-        a, b, ctx = qsl[s], qsl[s + 1], seq_lens[s]
-        if a == b:
-            continue
-        n_blocks = -(-ctx // k_cache.shape[1])
-        k = k_cache[tables[s][:n_blocks]].flatten(0, 1)[:ctx].double().repeat_interleave(group, 1)
-        v = v_cache[tables[s][:n_blocks]].flatten(0, 1)[:ctx].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), k) * scale
-        qpos = torch.arange(ctx - (b - a), ctx)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx)[None, :] > qpos, float("-inf"))
-        if window is not None:
-            scores = scores.masked_fill(torch.arange(ctx)[None, :] <= qpos - window, float("-inf"))
-        out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

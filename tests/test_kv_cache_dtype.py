@@ -15,9 +15,8 @@ import random
 import pytest
 import torch
 
-from conftest import hf_greedy, teacher_forced_agreement
-from test_kernels import reference_attention, scattered_tables
-from test_correctness import prefix_prompts, prompts, stream  # noqa: F401 - fixtures
+from helpers import (greedy_generate, hf_greedy, llm_sharing_weights, reference_attention, scattered_tables,
+                     teacher_forced_agreement)
 from tokenmill import SamplingParams
 from tokenmill.kernels import load_ops, runnable_isas
 from tokenmill.models.kv_quant import dequantize, quantize
@@ -188,38 +187,11 @@ def test_paged_attention_on_one_byte_caches(ops, cache_dtype, dtype, seed):
 
 # ---- engine level (slow: the default model, HF's float32 reference) ----
 
-_WEIGHTS: dict[tuple, torch.nn.Module] = {}
-
-
-def engine(**kw):
-    """An engine as test_correctness.make_llm builds one (weights loaded once per configuration, the GGUF
-    dequantized: quantization none where the flag exists), with a given pool size."""
-    import dataclasses
-
-    import tokenmill.engine.runner as runner_module
-    from test_correctness import MAX_MODEL_LEN
-    from tokenmill import LLM
-    from tokenmill.config import EngineConfig
-    real = runner_module.load_model
-
-    def load_once(info, dtype, device, max_positions, *rest):
-        key = (dtype, *rest)
-        if key not in _WEIGHTS:
-            _WEIGHTS[key] = real(info, dtype, device, max_positions, *rest)
-        return _WEIGHTS[key]
-
-    if "quantization" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        kw.setdefault("quantization", "none")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner_module, "load_model", load_once)
-        return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, **{"kv_cache_memory": "64MiB", **kw})
-
-
 @pytest.mark.slow
 def test_one_byte_pool_holds_twice_the_tokens_of_bf16():
     tokens = {}
     for kv in ("auto", "fp8_e4m3", "int8"):
-        llm = engine(dtype="bfloat16", kv_cache_memory="512MiB", kv_cache_dtype=kv)
+        llm = llm_sharing_weights(dtype="bfloat16", kv_cache_memory="512MiB", kv_cache_dtype=kv)
         tokens[kv] = llm.engine.kv_cache.num_blocks * llm.engine.kv_cache.block_size
         assert llm.engine.runner.kv_caches[0][0].element_size() == (2 if kv == "auto" else 1)
         del llm
@@ -239,13 +211,13 @@ def long_refs(prompts, hf_reference) -> list[list[int]]:
                                                 ("int8", False, 0.97)])
 def test_agreement_with_hf_float32(prompts, long_refs, kv, calculate, floor):
     """The float32 model with a one-byte KV cache against HF float32: only the KV quantization differs. Teacher
-    forcing by decode steps (conftest): each continuation token reads every token before it from the cache,
+    forcing by decode steps (helpers): each continuation token reads every token before it from the cache,
     quantized, as decoding does. (In one prefill a chunk attends its own K/V unquantized, so the single-pass
     measure gives ~1.0 and says little about the cache.) The first step, which sets the scales, is the prompts'
     prefill, as a server's first batch would be. Measured on 2 cores over 512 positions: fp8_e4m3 0.963 (scale
     1.0) and 0.977 (--calculate-kv-scales), int8 0.984, auto 1.0. e4m3 keeps 3 mantissa bits (a relative error up
     to 1/16 per element, whatever the scale), and this 135M model's top-1 is that sensitive."""
-    llm = engine(dtype="float32", kv_cache_dtype=kv, calculate_kv_scales=calculate)
+    llm = llm_sharing_weights(dtype="float32", kv_cache_dtype=kv, calculate_kv_scales=calculate)
     assert llm.engine.runner.kv_caches[0][0].element_size() == 1
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     top1, strict = teacher_forced_agreement(llm, prompts, long_refs, decode_steps=True)
@@ -263,13 +235,12 @@ def test_chunked_prefill_prefix_caching_and_preemption_on_fp8(prompts, prefix_pr
     chunks, a chunk reads the earlier chunks' keys quantized, and this 135M model's continuations fork at near-ties
     within a few tokens.) Float noise between the two backends now and then moves a value across an fp8 rounding
     boundary and flips a near-tie late in a continuation; wrong blocks or scales would change them at once."""
-    from test_correctness import generate
     schedule = dict(dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=32, num_gpu_blocks_override=40)
-    torch_sdpa = engine(attention_backend="torch_sdpa", **schedule)
-    want = [o.outputs[0].token_ids for o in generate(torch_sdpa, prompts + prefix_prompts)]
+    torch_sdpa = llm_sharing_weights(attention_backend="torch_sdpa", **schedule)
+    want = [o.outputs[0].token_ids for o in greedy_generate(torch_sdpa, prompts + prefix_prompts)]
     del torch_sdpa
-    llm = engine(attention_backend="cpu", **schedule)
-    got = [o.outputs[0].token_ids for o in generate(llm, prompts + prefix_prompts)]
+    llm = llm_sharing_weights(attention_backend="cpu", **schedule)
+    got = [o.outputs[0].token_ids for o in greedy_generate(llm, prompts + prefix_prompts)]
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     same = sum(g == w for g, w in zip(got, want))

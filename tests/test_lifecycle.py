@@ -10,8 +10,7 @@ import time
 import httpx
 import pytest
 
-from polling import wait_until_async
-from server_utils import API_KEY, MODEL, RemoteServer
+from helpers import API_KEY, MODEL, RemoteServer, wait_until_async
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,6 @@
-"""The offline API end to end on the default model: seeds, n, stop conditions, logprobs against HF transformers,
-chat, metrics, prompt forms, and the sampled distribution of a real model's next token."""
+"""The offline API end to end: seeds, n, stop conditions, metrics and prompt forms on a tiny random model (engine
+mechanics, conftest's tiny_llm); logprobs against HF transformers, chat and the sampled distribution of a real
+model's next token on the default model."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,18 +8,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import single_threaded_llm
 from tokenmill import SamplingParams
 
 PROMPT = "The little robot opened the door and"
 OTHER_PROMPTS = ["Once upon a time", "The best way to learn a new language is", "def fibonacci(n):"]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    # 256 MiB of KV cache cannot hold one sequence of the model's 8192 positions: cap the length.
-    # quantization none: logprobs are compared with HF's float32 model on the dequantized GGUF weights
-    yield from single_threaded_llm(kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
 
 
 def gen(llm, prompts, params):
@@ -38,56 +31,56 @@ def greedy(max_tokens=24, **kw):
 
 
 @pytest.fixture(scope="module")
-def greedy_run(llm):
-    out = one(llm, PROMPT, greedy())
-    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+def greedy_run(tiny_llm):
+    out = one(tiny_llm, PROMPT, greedy())
+    assert out.text == tiny_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     return out
 
 
 # ---- seeds and n ----
 
-def test_same_seed_same_output_alone_and_in_batch(llm):
-    alone = one(llm, PROMPT, sampled(seed=1234)).token_ids
+def test_same_seed_same_output_alone_and_in_batch(tiny_llm):
+    alone = one(tiny_llm, PROMPT, sampled(seed=1234)).token_ids
     assert len(alone) == 32
     params = [sampled(), sampled(seed=1234), sampled(seed=99), SamplingParams(temperature=0.8, max_tokens=20)]
-    batch = gen(llm, [OTHER_PROMPTS[0], PROMPT, OTHER_PROMPTS[1], PROMPT], params)
+    batch = gen(tiny_llm, [OTHER_PROMPTS[0], PROMPT, OTHER_PROMPTS[1], PROMPT], params)
     assert batch[1].outputs[0].token_ids == alone
     # Again, alone, after the engine's own generator has moved on.
-    assert one(llm, PROMPT, sampled(seed=1234)).token_ids == alone
+    assert one(tiny_llm, PROMPT, sampled(seed=1234)).token_ids == alone
     # The unseeded request with the same prompt in the same batch is not tied to the seed.
     assert batch[3].outputs[0].token_ids[:20] != alone[:20]
 
 
-def test_different_seeds_differ(llm):
-    outs = gen(llm, [PROMPT] * 3, [sampled(12, seed=1), sampled(12, seed=2), sampled(12, seed=3)])
+def test_different_seeds_differ(tiny_llm):
+    outs = gen(tiny_llm, [PROMPT] * 3, [sampled(12, seed=1), sampled(12, seed=2), sampled(12, seed=3)])
     ids = [tuple(o.outputs[0].token_ids) for o in outs]
     assert len(set(ids)) == 3
 
 
-def test_unseeded_sampling_varies(llm):
-    outs = gen(llm, [PROMPT] * 3, sampled(max_tokens=12))
+def test_unseeded_sampling_varies(tiny_llm):
+    outs = gen(tiny_llm, [PROMPT] * 3, sampled(max_tokens=12))
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 3
 
 
-def test_n_samples_and_seeded_n_is_reproducible(llm):
+def test_n_samples_and_seeded_n_is_reproducible(tiny_llm):
     params = sampled(max_tokens=12, n=2, seed=77)
-    first = gen(llm, PROMPT, params)
+    first = gen(tiny_llm, PROMPT, params)
     assert len(first) == 1
     outs = first[0].outputs
     assert [o.index for o in outs] == [0, 1]
     assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
     assert outs[0].token_ids != outs[1].token_ids
-    again = gen(llm, PROMPT, params)[0].outputs
+    again = gen(tiny_llm, PROMPT, params)[0].outputs
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     assert [o.text for o in again] == [o.text for o in outs]
-    unseeded = gen(llm, PROMPT, sampled(max_tokens=12, n=3))[0].outputs
+    unseeded = gen(tiny_llm, PROMPT, sampled(max_tokens=12, n=3))[0].outputs
     assert len(unseeded) == 3 and len({tuple(o.token_ids) for o in unseeded}) == 3
 
 
 # ---- stop conditions ----
 
-def test_max_tokens_finishes_with_length(llm, greedy_run):
-    out = one(llm, PROMPT, greedy(max_tokens=5))
+def test_max_tokens_finishes_with_length(tiny_llm, greedy_run):
+    out = one(tiny_llm, PROMPT, greedy(max_tokens=5))
     assert out.finish_reason == "length" and out.stop_reason is None
     assert out.token_ids == greedy_run.token_ids[:5]
     assert greedy_run.finish_reason == "length" and len(greedy_run.token_ids) == 24
@@ -103,9 +96,9 @@ def _stop_string(llm, run, token_index: int) -> tuple[str, int]:
     pytest.fail("no unique stop string in the greedy text")
 
 
-def test_stop_string_cuts_output(llm, greedy_run):
-    stop, at = _stop_string(llm, greedy_run, 10)
-    out = one(llm, PROMPT, greedy(stop=["never appears here", stop]))
+def test_stop_string_cuts_output(tiny_llm, greedy_run):
+    stop, at = _stop_string(tiny_llm, greedy_run, 10)
+    out = one(tiny_llm, PROMPT, greedy(stop=["never appears here", stop]))
     assert out.text == greedy_run.text[:at]
     assert stop not in out.text
     assert out.finish_reason == "stop" and out.stop_reason == stop
@@ -113,16 +106,16 @@ def test_stop_string_cuts_output(llm, greedy_run):
     assert out.token_ids == greedy_run.token_ids[:len(out.token_ids)]
 
 
-def test_stop_string_included_on_request(llm, greedy_run):
-    stop, at = _stop_string(llm, greedy_run, 10)
-    out = one(llm, PROMPT, greedy(stop=stop, include_stop_str_in_output=True))
+def test_stop_string_included_on_request(tiny_llm, greedy_run):
+    stop, at = _stop_string(tiny_llm, greedy_run, 10)
+    out = one(tiny_llm, PROMPT, greedy(stop=stop, include_stop_str_in_output=True))
     assert out.text == greedy_run.text[:at + len(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
-def test_stop_string_on_the_last_allowed_token_is_a_stop(llm, greedy_run):
+def test_stop_string_on_the_last_allowed_token_is_a_stop(tiny_llm, greedy_run):
     # The token that completes the stop string is also the max_tokens-th: the stop string wins, as in vLLM.
-    tok = llm.tokenizer
+    tok = tiny_llm.tokenizer
     for k in range(6, 20):
         text = tok.decode(greedy_run.token_ids[:k])
         piece = text[-3:]
@@ -131,34 +124,34 @@ def test_stop_string_on_the_last_allowed_token_is_a_stop(llm, greedy_run):
             break
     else:
         pytest.fail("no stop string that the greedy text completes on one token")
-    out = one(llm, PROMPT, greedy(max_tokens=k, stop=[piece]))
+    out = one(tiny_llm, PROMPT, greedy(max_tokens=k, stop=[piece]))
     assert len(out.token_ids) == k
     assert out.finish_reason == "stop" and out.stop_reason == piece
     assert out.text == text[:-3]
 
 
-def test_stop_token_ids(llm, greedy_run):
+def test_stop_token_ids(tiny_llm, greedy_run):
     ids = greedy_run.token_ids
     i = next(i for i in range(4, len(ids)) if ids[i] not in ids[:i])
-    out = one(llm, PROMPT, greedy(stop_token_ids=[ids[i]]))
+    out = one(tiny_llm, PROMPT, greedy(stop_token_ids=[ids[i]]))
     assert out.token_ids == ids[:i + 1]
     assert out.finish_reason == "stop" and out.stop_reason == ids[i]
     # As in vLLM, the stop token's text is left out unless include_stop_str_in_output.
-    assert out.text == llm.tokenizer.decode(ids[:i])
-    out = one(llm, PROMPT, greedy(stop_token_ids=[ids[i]], include_stop_str_in_output=True))
-    assert out.text == llm.tokenizer.decode(ids[:i + 1])
+    assert out.text == tiny_llm.tokenizer.decode(ids[:i])
+    out = one(tiny_llm, PROMPT, greedy(stop_token_ids=[ids[i]], include_stop_str_in_output=True))
+    assert out.text == tiny_llm.tokenizer.decode(ids[:i + 1])
 
 
-def test_eos_finishes_with_stop(llm):
-    eos = llm.tokenizer.eos_token_id
-    out = one(llm, PROMPT, SamplingParams(temperature=1.0, max_tokens=8, logit_bias={eos: 100.0}))
+def test_eos_finishes_with_stop(tiny_llm):
+    eos = tiny_llm.tokenizer.eos_token_id
+    out = one(tiny_llm, PROMPT, SamplingParams(temperature=1.0, max_tokens=8, logit_bias={eos: 100.0}))
     assert out.token_ids == [eos]
     assert out.finish_reason == "stop" and out.stop_reason is None and out.text == ""
     # min_tokens holds EOS back; ignore_eos runs to max_tokens.
-    out = one(llm, PROMPT, SamplingParams(temperature=1.0, max_tokens=8, min_tokens=3, logit_bias={eos: 100.0}))
+    out = one(tiny_llm, PROMPT, SamplingParams(temperature=1.0, max_tokens=8, min_tokens=3, logit_bias={eos: 100.0}))
     assert len(out.token_ids) == 4 and eos not in out.token_ids[:3] and out.token_ids[3] == eos
     assert out.finish_reason == "stop"
-    out = one(llm, PROMPT, SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, logit_bias={eos: 100.0}))
+    out = one(tiny_llm, PROMPT, SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, logit_bias={eos: 100.0}))
     assert out.token_ids == [eos] * 5 and out.finish_reason == "length"
 
 
@@ -204,8 +197,8 @@ def test_prompt_logprobs_match_hf(llm, hf_reference):
         _check_entry(res.prompt_logprobs[j], hf[j - 1], 2, ids[j])
 
 
-def test_prompt_logprobs_given_once_with_n(llm):
-    res = gen(llm, PROMPT, SamplingParams(temperature=1.0, max_tokens=2, n=2, prompt_logprobs=1))[0]
+def test_prompt_logprobs_given_once_with_n(tiny_llm):
+    res = gen(tiny_llm, PROMPT, SamplingParams(temperature=1.0, max_tokens=2, n=2, prompt_logprobs=1))[0]
     assert len(res.prompt_logprobs) == len(res.prompt_token_ids)
 
 
@@ -230,9 +223,9 @@ def test_chat_uses_the_template(llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.token_ids[:4]
 
 
-def test_outputs_carry_metrics(llm):
-    for res in gen(llm, [PROMPT, OTHER_PROMPTS[0]], sampled(max_tokens=6)) + \
-            gen(llm, PROMPT, greedy(max_tokens=20, stop=[" "])):
+def test_outputs_carry_metrics(tiny_llm):
+    for res in gen(tiny_llm, [PROMPT, OTHER_PROMPTS[0]], sampled(max_tokens=6)) + \
+            gen(tiny_llm, PROMPT, greedy(max_tokens=20, stop=[" "])):
         m = res.metrics
         assert res.finished and m is not None
         for v in (m.queue_time, m.ttft, m.e2e):
@@ -240,14 +233,14 @@ def test_outputs_carry_metrics(llm):
         assert m.queue_time <= m.ttft <= m.e2e
 
 
-def test_prompt_forms(llm):
+def test_prompt_forms(tiny_llm):
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    ids = llm.tokenizer.encode(PROMPT)
-    other_ids = llm.tokenizer.encode(OTHER_PROMPTS[1])
-    from_str = gen(llm, PROMPT, params)
-    from_strs = gen(llm, [PROMPT, OTHER_PROMPTS[1]], params)
-    from_ids = gen(llm, ids, params)
-    from_id_lists = gen(llm, [ids, other_ids], params)
+    ids = tiny_llm.tokenizer.encode(PROMPT)
+    other_ids = tiny_llm.tokenizer.encode(OTHER_PROMPTS[1])
+    from_str = gen(tiny_llm, PROMPT, params)
+    from_strs = gen(tiny_llm, [PROMPT, OTHER_PROMPTS[1]], params)
+    from_ids = gen(tiny_llm, ids, params)
+    from_id_lists = gen(tiny_llm, [ids, other_ids], params)
     assert len(from_str) == len(from_ids) == 1 and len(from_strs) == len(from_id_lists) == 2
     expected = from_str[0].outputs[0].token_ids
     assert len(expected) == 6
@@ -258,7 +251,7 @@ def test_prompt_forms(llm):
     assert from_str[0].prompt_token_ids == ids == from_ids[0].prompt_token_ids
     assert from_strs[1].outputs[0].text == from_id_lists[1].outputs[0].text != ""
     # One SamplingParams per prompt.
-    per = gen(llm, [PROMPT, PROMPT], [SamplingParams(temperature=0.0, max_tokens=2), params])
+    per = gen(tiny_llm, [PROMPT, PROMPT], [SamplingParams(temperature=0.0, max_tokens=2), params])
     assert [len(r.outputs[0].token_ids) for r in per] == [2, 6]
 
 

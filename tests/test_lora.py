@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers import RemoteServer, build_tiny_model, hf_greedy
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.engine.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
 from tokenmill.kernels import load_ops, runnable_isas
@@ -59,12 +59,11 @@ def hf_outputs(model, prompts: list[list[int]]) -> list[list[int]]:
 def tiny(tokenizer, tmp_path_factory):
     """A tiny random Qwen3 (q/k norms, head_dim * heads != hidden) and three adapters on it, with HF + PEFT's
     greedy tokens for the base model and for each adapter."""
-    from test_models import _build
     root = tmp_path_factory.mktemp("lora-tiny")
     tok_dir = str(root / "tokenizer")
     tokenizer.save_pretrained(tok_dir)
     model_dir = str(root / "model")
-    base = _build("qwen3", model_dir, tok_dir, tokenizer, head_dim=64, tie_word_embeddings=False)
+    base = build_tiny_model("qwen3", model_dir, tok_dir, tokenizer, head_dim=64, tie_word_embeddings=False)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     want = {None: hf_outputs(base, prompts)}
     paths = {}
@@ -302,7 +301,6 @@ def test_cpu_cache_keeps_adapters_in_use_and_drops_the_least_recent(tiny, tiny_l
 def lora_server(tiny):
     """`tokenmill serve` on the tiny Qwen3 with two adapters from --lora-modules (one in vLLM's JSON form, with a
     parent), two slots, and runtime loading on (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
-    from server_utils import RemoteServer
     model_dir, paths, _, _ = tiny
     module = json.dumps({"name": "all-r8-rslora", "path": paths["all-r8-rslora"], "base_model_name": model_dir})
     server = RemoteServer(model=model_dir, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}, server_args=[

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import httpx
 
-from polling import wait_until
-from server_utils import MODEL, metric_value, scrape_metrics, server  # noqa: F401 - the fixture
+from helpers import MODEL, metric_value, scrape_metrics, wait_until
 from tokenmill.server.metrics import ITL_BUCKETS, TTFT_BUCKETS
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers import build_tiny_model, hf_greedy, tiny_config
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import runnable_isas
 from tokenmill.models.llama import LlamaForCausalLM
@@ -28,37 +27,6 @@ def tokenizer_dir(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save_pretrained(path)
     return str(path)
-
-
-def _tiny_config(arch: str, vocab_size: int, **kw):
-    import transformers
-    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256, rms_norm_eps=1e-5,
-                  initializer_range=0.1)
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-           "gemma3": transformers.Gemma3TextConfig}[arch]
-    return cls(**{**common, **kw})
-
-
-def _build(arch: str, out_dir: str, tokenizer_dir: str, tok, **kw):
-    """A random model whose norms and biases are far from their trivial init, so a loader that drops them
-    gives different tokens. Returns the HF model (float32)."""
-    from transformers import AutoModelForCausalLM
-
-    config = _tiny_config(arch, len(tok), **kw)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    shutil.copytree(tokenizer_dir, out_dir, dirs_exist_ok=True)
-    assert not any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(out_dir))
-    return model
 
 
 CASES = {
@@ -91,7 +59,7 @@ def test_tiny_model_greedy_matches_hf(case, path, tokenizer_dir, tokenizer, tmp_
     if path != "torch_sdpa" and not runnable_isas():
         pytest.skip("no CPU kernel build runs here")
     arch, kw = CASES[case]
-    model = _build(arch, str(tmp_path), tokenizer_dir, tokenizer, **kw)
+    model = build_tiny_model(arch, str(tmp_path), tokenizer_dir, tokenizer, **kw)
     tok = tokenizer
     if case == "qwen2-qkv-bias":
         assert model.model.layers[0].self_attn.q_proj.bias is not None
@@ -152,7 +120,7 @@ class _Tripwire:
 
 
 def test_pickled_weights_are_refused_and_never_unpickled(tmp_path):
-    _tiny_config("llama", 100).save_pretrained(tmp_path)
+    tiny_config("llama", 100).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["LlamaForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -11,13 +11,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
-from polling import wait_until
-from server_utils import MODEL, RemoteServer, free_port
+from helpers import MODEL, OtlpReceiver, RemoteServer, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -36,45 +34,6 @@ def ensure_debian_package(binary: str, package: str) -> str:
         path = shutil.which(binary)
     assert path, f"{binary} (Debian package {package}) is needed"
     return path
-
-
-class OtlpReceiver:
-    """A minimal OTLP/HTTP trace receiver: decodes ExportTraceServiceRequest protobufs into plain spans."""
-
-    def __init__(self):
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-        self.spans: list[dict] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                for rs in request.resource_spans:
-                    for ss in rs.scope_spans:
-                        for span in ss.spans:
-                            receiver.spans.append(_span_dict(span))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
-def _span_dict(span) -> dict:
-    attrs = {}
-    for kv in span.attributes:
-        v = kv.value
-        kind = v.WhichOneof("value")
-        attrs[kv.key] = [x.string_value for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
-    return {"name": span.name, "trace_id": span.trace_id.hex(), "parent_span_id": span.parent_span_id.hex(),
-            "start": span.start_time_unix_nano, "end": span.end_time_unix_nano, "attributes": attrs}
 
 
 @pytest.fixture(scope="module")

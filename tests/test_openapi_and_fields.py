@@ -16,12 +16,9 @@ import schemathesis
 from fake_engine import API_KEY, MODEL, InProcessServer
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
-from server_utils import server  # noqa: F401 - the fixture
 
 from tokenmill.api.protocol import INT64_MAX, INT64_MIN
-from tokenmill.models.paths import default_model_path
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tokenmill.tokenizer import load_tokenizer
 
 CHAT = [{"role": "user", "content": "Hi"}]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -213,17 +210,39 @@ def refused_only_at_run_time(ctx, response, case) -> bool | None:
 EXCLUDED = [positive_data_acceptance]
 
 
-# Built at import: schemathesis's fixture-based loader (schemathesis.pytest.from_fixture) does not run on pytest 9
-# (it sets Node._nodeid, which pytest 9 no longer has). The tokenizer loads in about a second.
-IN_PROCESS = InProcessServer(load_tokenizer(default_model_path()))
-IN_PROCESS.client.max_generated_tokens = 64  # the fake engine: a max_tokens in the thousands would take seconds
-in_process = schemathesis.openapi.from_asgi("/openapi.json", IN_PROCESS.root)
+class SchemaOnlyTokenizer:
+    """Just enough of a tokenizer to build the app and read its /openapi.json, which no tokenizer changes."""
+    eos_token_id, chat_template = 0, None
+
+    def __len__(self) -> int:
+        return 1
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"a": 0}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [0]
+
+
+# The document is loaded at import: schemathesis's fixture-based loader (schemathesis.pytest.from_fixture) does not
+# run on pytest 9 (it sets Node._nodeid, which pytest 9 no longer has). It comes from the app built on a stand-in
+# tokenizer, so that importing this module loads no model; the cases run on `fuzzed`, the app on the default
+# model's tokenizer.
+in_process = schemathesis.openapi.from_asgi("/openapi.json", InProcessServer(SchemaOnlyTokenizer()).root)
+
+
+@pytest.fixture(scope="module")
+def fuzzed(tokenizer) -> InProcessServer:
+    app = InProcessServer(tokenizer)
+    app.client.max_generated_tokens = 64  # the fake engine: a max_tokens in the thousands would take seconds
+    return app
 
 
 @in_process.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-def test_schemathesis_in_process(case):
-    case.call_and_validate(headers=AUTH, excluded_checks=EXCLUDED, additional_checks=[refused_only_at_run_time])
+def test_schemathesis_in_process(case, fuzzed):
+    case.call_and_validate(app=fuzzed.root, headers=AUTH, excluded_checks=EXCLUDED,
+                           additional_checks=[refused_only_at_run_time])
 
 
 # Against the real engine, schemathesis is too slow for the suite: its valid chat and completion requests carry
@@ -231,5 +250,5 @@ def test_schemathesis_in_process(case):
 # even 3 examples per operation with generation capped at 8 tokens ran for over 3 minutes. The in-process run above
 # covers the HTTP layer; the real server is held to the same document here (the engine's own refusals are tested in
 # test_server_errors.py).
-def test_real_server_serves_the_same_document(server):
-    assert httpx.get(server.url_for("/openapi.json")).json() == IN_PROCESS.root.inner.openapi()
+def test_real_server_serves_the_same_document(server, fuzzed):
+    assert httpx.get(server.url_for("/openapi.json")).json() == fuzzed.root.inner.openapi()

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from polling import wait_until, wait_until_async
+from helpers import wait_until, wait_until_async
 
 
 def test_returns_the_first_truthy_value():

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from conftest import teacher_forced_agreement
+from helpers import teacher_forced_agreement
 from tokenmill.kernels import load_ops, runnable_isas
 from tokenmill.models.linear import linear, pack_weight
 from tokenmill.models.quantization import QuantizedTensor, QuantizedWeight, from_gguf, quantize

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import single_threaded_llm
+from helpers import single_threaded_llm
 from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.reasoning import REASONING_PARSERS, ReasoningSpec, ReasoningSplitter, ThinkingTracker, reasoning_spec
 from tokenmill.sampling_params import ParamError

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_utils import MODEL, server  # noqa: F401 - the fixture
+from helpers import MODEL
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20}},
         "required": ["city"], "additionalProperties": False}

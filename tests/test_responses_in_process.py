@@ -9,10 +9,10 @@ import json
 
 import httpx
 import pytest
-from fake_engine import CONTINUATION, MODEL, InProcessServer
+from fake_engine import CONTINUATION, MODEL, InProcessServer, post
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from test_api_in_process import _error, _post
+from openai_shapes import json_error
 
 pytestmark = pytest.mark.anyio
 
@@ -21,7 +21,7 @@ FUNCTION_TOOL = {"type": "function", "name": "get_weather", "description": "The 
 
 
 async def _create(app: InProcessServer, **body) -> dict:
-    r = await _post(app, "/v1/responses", {"model": MODEL, "max_output_tokens": 6, **body})
+    r = await post(app, "/v1/responses", {"model": MODEL, "max_output_tokens": 6, **body})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -48,7 +48,7 @@ def _stream_events(r: httpx.Response) -> list[dict]:
 
 
 async def _stream(app: InProcessServer, **body) -> list[dict]:
-    return _stream_events(await _post(app, "/v1/responses", {"model": MODEL, "stream": True, **body}))
+    return _stream_events(await post(app, "/v1/responses", {"model": MODEL, "stream": True, **body}))
 
 
 def _items(response: dict) -> list[tuple]:
@@ -93,26 +93,26 @@ BAD_REQUESTS = [
                          ids=[f"{c[1]}-{i}" for i, c in enumerate(BAD_REQUESTS)])
 async def test_bad_request(app, override, param, fragment):
     status = 404 if param == "model" else 400
-    err = _error(await _post(app, "/v1/responses", {"model": MODEL, "input": "Hi", **override}), status)
+    err = json_error(await post(app, "/v1/responses", {"model": MODEL, "input": "Hi", **override}), status)
     assert err["param"] == param, err
     assert fragment in err["message"], err
 
 
 async def test_missing_input(app):
-    err = _error(await _post(app, "/v1/responses", {"model": MODEL}), 400)
+    err = json_error(await post(app, "/v1/responses", {"model": MODEL}), 400)
     assert err["param"] == "input" and "required" in err["message"]
 
 
 async def test_errors_come_before_the_stream(app):
-    r = await _post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "stream": True, "background": True})
-    assert _error(r, 400)["param"] == "background"
+    r = await post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "stream": True, "background": True})
+    assert json_error(r, 400)["param"] == "background"
 
 
 async def test_unknown_ids_are_404(app):
     async with app.http() as client:
-        err = _error(await client.get("/v1/responses/resp_nope"), 404)
+        err = json_error(await client.get("/v1/responses/resp_nope"), 404)
     assert err["type"] == "not_found_error" and "resp_nope" in err["message"]
-    err = _error(await _post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "previous_response_id": "resp_x"}),
+    err = json_error(await post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "previous_response_id": "resp_x"}),
                  404)
     assert err["type"] == "not_found_error" and "resp_x" in err["message"]
 
@@ -170,7 +170,7 @@ async def test_store_false(app):
     body = await _create(app, input="Hi", store=False)
     assert body["store"] is False
     async with app.http() as client:
-        _error(await client.get(f"/v1/responses/{body['id']}"), 404)
+        json_error(await client.get(f"/v1/responses/{body['id']}"), 404)
 
 
 async def test_stored_responses_are_bounded(tokenizer, monkeypatch):
@@ -185,7 +185,7 @@ async def test_stored_responses_are_bounded(tokenizer, monkeypatch):
 
 
 async def test_stream_events(app):
-    r = await _post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 6, "stream": True})
+    r = await post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 6, "stream": True})
     events = _stream_events(r)
     types = [e["type"] for e in events]
     assert types[:5] == ["response.created", "response.in_progress", "response.output_item.added",

@@ -23,8 +23,8 @@ import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from polling import wait_until
-from server_utils import SERVER_ARGS, RemoteServer, free_port
+from helpers import (SERVER_ARGS, SYSTEMS, OtlpReceiver, RemoteServer, free_port, prefix_workload_homes, router_chat,
+                     stop_process, wait_until)
 
 from tokenmill.config import KVEventsConfig
 from tokenmill.engine.block_hash import hash_block_tokens
@@ -325,20 +325,10 @@ class RouterProcess:
             return f.read()[-4000:]
 
     def chat(self, content: str, system: str = "") -> httpx.Response:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-        response = httpx.post(self.url + "/v1/chat/completions", timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 2, "temperature": 0})
-        assert response.status_code == 200, response.text
-        return response
+        return router_chat(self.url, content, system)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 15)
         self.log.close()
         os.unlink(self.log.name)
 
@@ -382,29 +372,10 @@ def _router_args(replicas, policy: str) -> list[str]:
             "--kv-events-replay-endpoint", *[r.kv_endpoints[1] for r in replicas], "--policy", policy]
 
 
-SYSTEMS = ["You are a terse assistant for a shipping company. " * 12,
-           "You answer questions about astronomy, briefly and with care. " * 12]
-
-
 def test_kv_policy_sends_a_prefix_to_the_replica_that_caches_it(replicas_server):
     router = RouterProcess(_router_args(replicas_server, "kv"))
     try:
-        homes, hits = {}, 0
-        for round_ in range(3):
-            for system in SYSTEMS:
-                response = router.chat(f"Question {round_}: what now?", system)
-                replica = response.headers["x-tokenmill-replica"]
-                predicted = int(response.headers["x-tokenmill-predicted-cached-tokens"])
-                # the router's prediction is the engine's own count, hit or miss
-                assert predicted == response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-                if round_ == 0:
-                    homes[system] = replica
-                else:
-                    assert replica == homes[system] and predicted > 0
-                    assert response.headers["x-tokenmill-route-reason"] == "kv_hit"
-                    hits += 1
-                time.sleep(0.3)  # the step's events reach the router
-        assert hits == 4
+        homes = prefix_workload_homes(router.url)
         assert _metric(router, "tokenmill_router:requests_total", replica=homes[SYSTEMS[0]], reason="kv_hit") == 2
     finally:
         router.stop()
@@ -654,7 +625,6 @@ def test_load_correction_predictions_metrics_and_a_span_that_continues_tracepare
     """--policy least_load with a replica kept busy by a client that bypasses the router: the replica's own
     vllm:num_requests_running (read with the health checks) steers requests to the other one. The router's span
     continues the caller's traceparent; predicted and actual cached tokens and CPU per request are exported."""
-    from test_observability import OtlpReceiver
     receiver = OtlpReceiver()
     busy, idle = replicas_server
     router = RouterProcess([*_router_args(replicas_server, "least_load"), "--otlp-traces-endpoint", receiver.url],

@@ -14,8 +14,7 @@ import time
 
 import httpx
 import pytest
-from polling import wait_until, wait_until_async
-from server_utils import SERVER_ARGS, free_port
+from helpers import SERVER_ARGS, free_port, prefix_workload_homes, wait_until, wait_until_async
 
 from tokenmill.config import KVEventsConfig
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher
@@ -97,9 +96,6 @@ def test_the_autoscaling_config_is_serves_with_tokenmills_defaults_and_policy():
     with pytest.raises(ValueError):  # Serve's own check
         serve_autoscaling_config('{"min_replicas": 3, "max_replicas": 2}')
 
-SYSTEMS = ["You are a terse assistant for a shipping company. " * 12,
-           "You answer questions about astronomy, briefly and with care. " * 12]
-
 
 @pytest.fixture
 def ray_cluster():
@@ -179,27 +175,8 @@ def test_serve_ray_scales_on_the_engine_queue_and_routes_prefixes_to_their_cache
                           lambda: f"the second replica to join the router ({_replica_states()})")
     (joined,) = set(replicas) - set(first)
 
-    # The prefix workload: two system prompts, three rounds. The first of each misses everywhere; the repeats go
-    # to the replica that caches it, and the predicted cached tokens are the engine's count.
-    homes, hits = {}, 0
-    for round_ in range(3):
-        for system in SYSTEMS:
-            response = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-                "model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0,
-                "messages": [{"role": "system", "content": system},
-                             {"role": "user", "content": f"Question {round_}: what now?"}]})
-            assert response.status_code == 200, response.text
-            replica = response.headers["x-tokenmill-replica"]
-            predicted = int(response.headers["x-tokenmill-predicted-cached-tokens"])
-            assert predicted == response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            if round_ == 0:
-                homes[system] = replica
-            else:
-                assert replica == homes[system] and predicted > 0
-                assert response.headers["x-tokenmill-route-reason"] == "kv_hit"
-                hits += 1
-            time.sleep(0.3)  # the step's events reach the router
-    assert hits == 4
+    # The prefix workload: the repeats of each system prompt go to the replica that caches it.
+    homes = prefix_workload_homes(url)
     kv_hits = _requests_by_replica(url, "kv_hit")
     for home in set(homes.values()):
         assert kv_hits[home] >= 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from openai_shapes import sse_events
-from server_utils import MODEL, server  # noqa: F401 - the fixture
+from helpers import MODEL
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
 PROMPT = "The capital of France is"

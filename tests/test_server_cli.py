@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from server_utils import MODEL, free_port
+from helpers import MODEL, free_port
 
 pytestmark = pytest.mark.slow
 

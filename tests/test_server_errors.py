@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 from openai_shapes import error_object
-from server_utils import MODEL, server  # noqa: F401 - the fixture
+from helpers import MODEL
 
 CHAT = [{"role": "user", "content": "Hi"}]
 

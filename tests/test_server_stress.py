@@ -8,8 +8,7 @@ import time
 
 import httpx
 import pytest
-from polling import wait_until, wait_until_async
-from server_utils import MODEL, server  # noqa: F401 - the fixture
+from helpers import MODEL, wait_until, wait_until_async
 
 LONG = {"max_tokens": 1500, "ignore_eos": True}
 

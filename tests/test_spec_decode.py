@@ -20,7 +20,6 @@ import httpx
 import pytest
 import torch
 
-import tokenmill.engine.runner as runner_module
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.block_hash import hash_request_blocks
@@ -30,7 +29,7 @@ from tokenmill.engine.spec_decode import adaptive
 from tokenmill.engine.spec_decode.ngram_proposer import NgramProposer
 from tokenmill.engine.spec_decode.rejection_sampler import general_rejection_sample, verify
 from tokenmill.engine.spec_decode.suffix_proposer import SuffixProposer
-from server_utils import MODEL, RemoteServer, metric_value, scrape_metrics, server  # noqa: F401 - the fixture
+from helpers import MODEL, RemoteServer, llm_sharing_weights, metric_value, scrape_metrics
 
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the one hundred and twelve "
@@ -51,22 +50,11 @@ METHODS = [pytest.param({"method": "ngram", "num_speculative_tokens": 4, "max_ve
            pytest.param({"method": "draft_model", "num_speculative_tokens": 4, "max_verify_tokens": 16},
                         id="draft_model")]
 
-_WEIGHTS: dict = {}
-
 
 def make_llm(**kw) -> LLM:
-    """A fresh engine per configuration, the weights loaded once (as in test_correctness.py)."""
-    real = runner_module.load_model
-
-    def load_once(info, dtype, device, max_positions, quantization):
-        key = (dtype, quantization)
-        if key not in _WEIGHTS:
-            _WEIGHTS[key] = real(info, dtype, device, max_positions, quantization)
-        return _WEIGHTS[key]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner_module, "load_model", load_once)
-        return LLM(device="cpu", dtype="float32", max_model_len=512, kv_cache_memory="64MiB", **kw)
+    """A fresh engine per configuration on the default model as it ships (quantization auto), the weights loaded
+    once (helpers.llm_sharing_weights)."""
+    return llm_sharing_weights(dtype="float32", quantization="auto", **kw)
 
 
 @pytest.fixture(scope="module")

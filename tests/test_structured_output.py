@@ -10,8 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server_utils import MODEL, server  # noqa: F401 - the fixture
-from conftest import single_threaded_llm
+from helpers import MODEL
 from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.sampling_params import ParamError
 
@@ -38,11 +37,6 @@ term ::= factor (("*" | "/") factor)*
 factor ::= number | "(" expr ")"
 number ::= [0-9] | [1-9] [0-9]
 """
-
-
-@pytest.fixture(scope="module")
-def llm():
-    yield from single_threaded_llm(kv_cache_memory="512MiB", max_model_len=1024)
 
 
 def chat_prompt(llm, text: str) -> str:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from test_embeddings import minilm_path
+from helpers import minilm_path
 from tokenmill.tokenizer import encode, load_tokenizer
 
 

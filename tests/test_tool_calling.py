@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_utils import API_KEY, RemoteServer, server  # noqa: F401 - the fixture
+from helpers import API_KEY, RemoteServer
 from tokenmill.reasoning import REASONING_PARSERS, ReasoningSplitter
 from tokenmill.server.chat_output import ChatOutputParser
 from tokenmill.tool_parsers import HermesToolParser, Llama3JsonToolParser, ParsedToolCall
@@ -258,7 +258,7 @@ def test_tool_grammar_starts_after_thinking(tool_server):
     assert_valid_calls(msg.tool_calls, names=["get_weather"])
 
 
-def test_tool_choice_errors(tool_server, server):  # noqa: F811 - server is the fixture
+def test_tool_choice_errors(tool_server, server):
     client = tool_server.openai()
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, tool_choice="required")

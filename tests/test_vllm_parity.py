@@ -2,7 +2,7 @@
 vLLM's OpenAI server relies on, through the `openai` SDK (httpx where the SDK has no field) against the real
 server. Shapes and values are vLLM's (vllm/entrypoints/openai, vllm/v1/metrics/loggers.py).
 
-Most tests share the session's server (server_utils.SERVER_ARGS, which enables /tokenizer_info and /load); the
+Most tests share the session's server (helpers.SERVER_ARGS, which enables /tokenizer_info and /load); the
 server flags that change every answer (--return-tokens-as-token-ids, --enable-force-include-usage, --max-logprobs
 -1) get one module server."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import torch
-from server_utils import MODEL, RemoteServer, server  # noqa: F401 - the fixture
+from helpers import MODEL, RemoteServer
 
 GREEDY = {"temperature": 0.0}
 USER = [{"role": "user", "content": "What is the capital of France?"}]

@@ -25,8 +25,8 @@ def load_chat_template(value: str) -> str:
 
 
 def gguf_chat_template(path: str) -> str | None:
-    from gguf import GGUFReader
-    fields = GGUFReader(path).fields
+    from tokenmill.gguf_file import gguf_reader
+    fields = gguf_reader(path).fields
     if "tokenizer.chat_template" in fields:
         return fields["tokenizer.chat_template"].contents()
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None

@@ -48,10 +48,9 @@ class ModelInfo:
 
 def load_model_config(model_path: str) -> ModelInfo:
     if model_path.endswith(".gguf"):
-        from gguf import GGUFReader
-
+        from tokenmill.gguf_file import gguf_reader
         from tokenmill.models.gguf_loader import gguf_config, gguf_eos_token_ids
-        reader = GGUFReader(model_path)
+        reader = gguf_reader(model_path)
         config, arch = gguf_config(reader)
         return ModelInfo(model_path, config, config.architectures[0], arch, gguf_eos_token_ids(reader))
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
@@ -128,10 +127,9 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
     model = model.to_empty(device=device)
     quant_ops = quantization_kernels(quantization, info.gguf_arch is not None, dtype, device)
     if info.gguf_arch:
-        from gguf import GGUFReader
-
+        from tokenmill.gguf_file import gguf_reader
         from tokenmill.models.gguf_loader import gguf_weights
-        reader = GGUFReader(info.path)
+        reader = gguf_reader(info.path)
         keep = quant_ops is not None and quantization in ("auto", "gguf")
         weights, total = gguf_weights(reader, info.hf_config, info.gguf_arch, keep), len(reader.tensors)
     else:

