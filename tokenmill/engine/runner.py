@@ -16,6 +16,7 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler, logprob_entries
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.engine.spec_decode.rejection_sampler import verify
+from tokenmill.engine.transfer import to_device
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, TritonBackend, get_attention_backend
 from tokenmill.models.kv_quant import kv_storage_dtype, needs_calibration
@@ -119,7 +120,8 @@ class ModelRunner:
 
     def _metadata(self, order: list[Request], query_lens: list[int],
                   block_tables: dict[str, list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """The step's input ids and attention metadata, built in numpy and handed to torch without copies."""
+        """The step's input ids and attention metadata, built in numpy and handed to torch without copies (on
+        the CPU) or in one transfer (engine/transfer.py)."""
         bs = self.block_size
         starts = [r.num_computed_tokens for r in order]
         context_lens = [s + n for s, n in zip(starts, query_lens)]
@@ -144,14 +146,14 @@ class ModelRunner:
             tables[i, :num_blocks] = block_tables[r.request_id][:num_blocks]
             offset = query_start_loc[i + 1] = end
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        dev = self.device
+        ids, positions, slots, query_start_loc, seq_lens, tables = to_device(
+            [input_ids, positions, slots, query_start_loc, np.array(context_lens, dtype=np.int32), tables],
+            self.device)
         meta = AttentionMetadata(
-            positions=torch.from_numpy(positions).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev), num_decodes=sum(1 for n in query_lens if n == 1),
-            query_lens=query_lens, context_lens=context_lens)
-        return torch.from_numpy(input_ids).to(dev), meta
+            positions=positions, slot_mapping=slots, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=tables, num_decodes=sum(1 for n in query_lens if n == 1), query_lens=query_lens,
+            context_lens=context_lens)
+        return ids, meta
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> RunnerOutput:
