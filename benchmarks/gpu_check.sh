@@ -69,8 +69,13 @@ else
 fi
 
 step "4. greedy equality with HF transformers (bfloat16, tie-aware)"
-run hf_equality $PY benchmarks/gpu_check.py hf-equality --model "$MODEL" --device $DEVICE --dtype bfloat16 $EQ \
-    --out "$WORK/hf_equality.json"
+if [ "$DRY_RUN" = 1 ]; then  # the triton backend in the real model, its kernels under Triton's interpreter
+    run hf_equality env TRITON_INTERPRET=1 $PY benchmarks/gpu_check.py hf-equality --model "$MODEL" --device cpu \
+        --dtype bfloat16 --attention-backend triton $EQ --out "$WORK/hf_equality.json"
+else
+    run hf_equality $PY benchmarks/gpu_check.py hf-equality --model "$MODEL" --device cuda --dtype bfloat16 $EQ \
+        --out "$WORK/hf_equality.json"
+fi
 
 step "5. bench throughput vs HF generate"
 PARTS=("$WORK/hf_equality.json")
