@@ -37,10 +37,10 @@ run() {  # run NAME CMD...: a failing step is recorded and the run goes on, so o
 
 if [ "$DRY_RUN" = 1 ]; then
     DEVICE=cpu; BATCHES="1 4"; IN=16; OUT_LEN=8; DECODE="--batches 1,4 --prompt-len 32 --steps 3"
-    EQ="--num-prompts 2 --max-tokens 4"; LAYERS="--num-layers 2"; SERVE_PROMPTS=8; CONC=1,4; KV=256MiB
+    EQ="--num-prompts 2 --max-tokens 4"; LAYERS="--num-layers 2"; PER_STREAM=2; CONC=1,4; KV=256MiB
 else
     DEVICE=cuda; BATCHES="1 64 256"; IN=128; OUT_LEN=256; DECODE="--batches 1,64,256 --prompt-len 512 --steps 50"
-    EQ="--num-prompts 8 --max-tokens 24"; LAYERS=""; SERVE_PROMPTS=128; CONC=1,64; KV=16GiB
+    EQ="--num-prompts 8 --max-tokens 24"; LAYERS=""; PER_STREAM=4; CONC=1,64; KV=16GiB
 fi
 
 step "1. wheels"
@@ -94,7 +94,7 @@ PARTS+=("$WORK/decode.json")
 
 step "7. closed-loop serve sweep"
 run serve $PY -m tokenmill.cli bench serve --launch --base-url http://127.0.0.1:8123 --tokenizer "$MODEL" \
-    --concurrency $CONC --num-prompts $SERVE_PROMPTS --input-len $IN --output-len $OUT_LEN --ignore-eos --warmup 4 \
+    --concurrency $CONC --requests-per-stream $PER_STREAM --input-len $IN --output-len $OUT_LEN --ignore-eos --warmup 4 \
     --precision bf16 --output-dir "$WORK/serve_report" \
     "$MODEL" --device $DEVICE --dtype bfloat16 --max-model-len 2048 --kv-cache-memory $KV --max-num-seqs 256
 cp "$WORK/serve_report/results.json" "$WORK/serve.json" 2>/dev/null

@@ -54,12 +54,17 @@ def _kv_tile(cache_ptr, new_ptr, scale_ptr, table_row_ptr, kpos, n_mask, kv_head
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
-    """a @ b accumulated in float32. DOT_F32: the operands widened to float32 first (exact for bf16/fp16 values);
-    set under the interpreter, whose tl.dot multiplies bfloat16 operands as raw integers (Triton 3.9)."""
+def _dot(a, b, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    """a @ b accumulated in float32. IEEE: float32 operands multiplied in full precision, not tf32 (which would
+    drop 13 mantissa bits); bf16/fp16 operands take tl.dot's default. DOT_F32: the operands widened to float32
+    first (exact for bf16/fp16 values); set under the interpreter, whose tl.dot multiplies bfloat16 operands as
+    raw integers (Triton 3.9)."""
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit
@@ -68,7 +73,7 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, scal
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_cb, stride_cs, stride_ch, stride_bt, stride_scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_BYTE: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                    IEEE: tl.constexpr, DOT_F32: tl.constexpr):
     seq = tl.program_id(0) + seq_offset
     tile_m = tl.program_id(1)
     head = tl.program_id(2)
@@ -98,7 +103,7 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, scal
             kt = _kv_tile(k_cache_ptr, k_ptr, scales_ptr + kv_head * head_dim, table_row, kpos, n_mask, kv_head,
                           offs_d, d_mask, q_start, prefix, block_size, stride_cb, stride_cs, stride_ch, stride_kt,
                           stride_kh, ONE_BYTE)
-            s = _dot(q, kt, PRECISION, DOT_F32) * sm_scale
+            s = _dot(q, kt, IEEE, DOT_F32) * sm_scale
             mask = m_mask[:, None] & n_mask[None, :] & (kpos[None, :] <= qpos[:, None])
             mask = mask & ((window == 0) | (kpos[None, :] > qpos[:, None] - window))
             s = tl.where(mask, s, float("-inf"))
@@ -110,7 +115,7 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, scal
             vt = _kv_tile(v_cache_ptr, v_ptr, scales_ptr + stride_scale + kv_head * head_dim, table_row, kpos, n_mask,
                           kv_head, offs_d, d_mask, q_start, prefix, block_size, stride_cb, stride_cs, stride_ch,
                           stride_vt, stride_vh, ONE_BYTE)
-            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), tl.trans(vt), PRECISION, DOT_F32)
+            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), tl.trans(vt), IEEE, DOT_F32)
             m_i = m_new
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -124,7 +129,7 @@ def _decode_split_kernel(mid_o_ptr, mid_lse_ptr, q_ptr, k_ptr, v_ptr, k_cache_pt
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_cb, stride_cs, stride_ch, stride_bt, stride_scale,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         ONE_BYTE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                         ONE_BYTE: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,7 +156,7 @@ def _decode_split_kernel(mid_o_ptr, mid_lse_ptr, q_ptr, k_ptr, v_ptr, k_cache_pt
         kt = _kv_tile(k_cache_ptr, k_ptr, scales_ptr + kv_head * head_dim, table_row, kpos, n_mask, kv_head, offs_d,
                       d_mask, seq, ctx - 1, block_size, stride_cb, stride_cs, stride_ch, stride_kt, stride_kh,
                       ONE_BYTE)
-        s = _dot(q, kt, PRECISION, DOT_F32) * sm_scale
+        s = _dot(q, kt, IEEE, DOT_F32) * sm_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)  # every tile has at least one visible key: m_new is finite
@@ -160,7 +165,7 @@ def _decode_split_kernel(mid_o_ptr, mid_lse_ptr, q_ptr, k_ptr, v_ptr, k_cache_pt
         vt = _kv_tile(v_cache_ptr, v_ptr, scales_ptr + stride_scale + kv_head * head_dim, table_row, kpos, n_mask,
                       kv_head, offs_d, d_mask, seq, ctx - 1, block_size, stride_cb, stride_cs, stride_ch, stride_vt,
                       stride_vh, ONE_BYTE)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), tl.trans(vt), PRECISION, DOT_F32)
+        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), tl.trans(vt), IEEE, DOT_F32)
         m_i = m_new
     empty = l_i == 0.0  # a split past the end of a short sequence
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -191,11 +196,6 @@ def _decode_reduce_kernel(out_ptr, mid_o_ptr, mid_lse_ptr, head_dim, num_splits,
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as triton.jit does
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """float32 models keep full-precision dots (tf32 would drop 13 mantissa bits); bf16/fp16 dots are exact anyway."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
     assert cache.stride(-1) == 1, "the KV cache's head_dim must be contiguous"
     return cache.stride(0), cache.stride(1), cache.stride(2)
@@ -222,7 +222,8 @@ def prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         window or 0, head_dim, num_heads // kv_heads, k_cache.shape[1], q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *_cache_strides(k_cache),
         block_tables.stride(0), kv_scales.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        ONE_BYTE=is_one_byte(k_cache.dtype), PRECISION=_precision(q.dtype), DOT_F32=INTERPRETED, num_warps=8 if big else 4)
+        ONE_BYTE=is_one_byte(k_cache.dtype), IEEE=q.dtype == torch.float32, DOT_F32=INTERPRETED,
+        num_warps=8 if big else 4)
 
 
 # Enough programs to fill an H100/H200 (132 SMs) about twice over; more splits only add reduction work.
@@ -256,7 +257,7 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         group, k_cache.shape[1], splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), *_cache_strides(k_cache), block_tables.stride(0), kv_scales.stride(0),
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        ONE_BYTE=is_one_byte(k_cache.dtype), PRECISION=_precision(q.dtype), DOT_F32=INTERPRETED)
+        ONE_BYTE=is_one_byte(k_cache.dtype), IEEE=q.dtype == torch.float32, DOT_F32=INTERPRETED)
     _decode_reduce_kernel[(num_decodes, num_heads)](
         out, mid_o, mid_lse, head_dim, splits, out.stride(0), out.stride(1),
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
