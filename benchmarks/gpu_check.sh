@@ -14,6 +14,8 @@
 # Usage: benchmarks/gpu_check.sh [--dry-run] [OUT_JSON]
 #   --dry-run (or DRY_RUN=1): every step on this CPU at toy sizes (the wheels listed, not installed), so the GPU
 #   run meets no error of ours before its first CUDA call. PYTHON=... picks the interpreter (default python3).
+# On a lent GPU machine: `make gpu-wheels` here first, then run `benchmarks/gpu_check.sh` there with `.whl` carried
+# (the device tool's carry), timeout ~560 s; the JSON, the table and the log come back under $OUT.
 set -u -o pipefail
 
 DRY_RUN=${DRY_RUN:-0}
