@@ -267,8 +267,10 @@ def report(args) -> dict:
              f"{merged['device']['triton']}){' DRY RUN' if args.dry_run else ''}"]
     eq = merged.get("hf_equality", {})
     if "passed" in eq:
-        lines.append(f"  HF greedy equality ({eq['dtype']}): {eq['equal']}/{eq['prompts']} equal, largest gap "
-                     f"{eq['largest_gap']} (tie gap {eq['tie_gap']}): {'PASS' if eq['passed'] else 'FAIL'}")
+        forks = [f"{c['hf_gap_at_divergence']} (tie {c['tie_gap']})" for c in eq["cases"] if not c["equal"]]
+        lines.append(f"  HF greedy equality ({eq['dtype']}, {eq['attention_backend']}): {eq['equal']}/{eq['prompts']} "
+                     f"equal; HF's gap at each fork: {', '.join(forks) or 'none'}; teacher-forced top-1 "
+                     f"{eq['teacher_forced_top1']}: {'PASS' if eq['passed'] else 'FAIL'}")
     for name in sorted(k for k in merged if k.startswith("throughput_b")):
         t = merged[name]
         if "tokenmill" in t:
