@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test bench kernels models-extra ray-extra clean-venv
+.PHONY: serve test bench kernels models-extra ray-extra clean-venv gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,24 @@ test: kernels models-extra ray-extra
 
 bench: $(STAMP)
 	$(VENV)/bin/tokenmill bench throughput --num-prompts 256 --input-len 256 --output-len 128 --dtype bfloat16 --hf-baseline
+
+# What benchmarks/gpu_check.sh needs on the GPU machine (Python 3.12, no network) beside its own packages: cp312
+# x86-64 wheels of the missing ones and of their missing dependencies, pinned to this venv's versions, and the
+# default model's config and tokenizer (its 89 MiB package does not fit the 64 MiB a run carries:
+# benchmarks/gpu_check.py says what the GPU run does instead). Into .whl/ (ignored), which the run carries.
+GPU_WHEELS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing-extensions==4.16.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 \
+	uvicorn==0.55.0 msgspec==0.23.0 pyzmq==27.3.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+GPU_PLATFORMS := $(foreach n,manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1,--platform $(n)_x86_64)
+gpu-wheels: $(STAMP)
+	mkdir -p .whl
+	for w in $(GPU_WHEELS); do \
+		ls .whl/$$(echo $${w%%==*} | tr - _)-$${w##*==}-*.whl >/dev/null 2>&1 || \
+		python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+			$(GPU_PLATFORMS) -d .whl $$w || exit 1; \
+	done
+	test -f .whl/smollm2-135m/config.json || $(PY) benchmarks/gpu_check.py export-model-shape .whl/smollm2-135m
+	du -sh .whl
 
 clean-venv:
 	rm -rf $(VENV)

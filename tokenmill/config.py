@@ -181,8 +181,15 @@ class EngineConfig(CliConfig):
                 "~0.3 s rather than over a second; 2048 on CUDA)"})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs|priority", "choices": ["fcfs", "priority"]})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto (tokenmill's CPU kernels where they serve, else torch_sdpa) | cpu | torch_sdpa (the pure-torch "
-                "reference)", "choices": ["auto", "cpu", "torch_sdpa"]})
+        "help": "auto (tokenmill's CPU kernels where they serve, the Triton kernels on CUDA, else torch_sdpa) | cpu | "
+                "triton | torch_sdpa (the pure-torch reference)", "choices": ["auto", "cpu", "triton", "torch_sdpa"]})
+    cuda_graph_sizes: list[int] = field(default_factory=lambda: [512], metadata={
+        "type": int, "nargs": "+",
+        "help": "CUDA: decode batch sizes captured as CUDA graphs, vLLM's rule: one value N captures 1, 2, 4 and every "
+                "multiple of 8 up to N; several values capture those; none above --max-num-seqs "
+                "(tokenmill/engine/cuda_graph.py)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "CUDA: run every step eagerly, capturing no CUDA graphs"})
     max_logprobs: int = field(default=20, metadata={
         "help": "most logprobs (or prompt logprobs) a request may ask for; -1: the whole vocabulary"})
     reasoning_parser: str | None = field(default=None, metadata={

@@ -61,24 +61,29 @@ def run_hf(config: EngineConfig, prompts, output_len: int, batch_size: int, dtyp
            temperature: float) -> float:
     from transformers import AutoModelForCausalLM
 
+    from tokenmill.engine.runner import resolve_device
     from tokenmill.models.paths import resolve_model_path
+    device = resolve_device(config.device)  # the engine's device: the same GPU when it runs on one
     path = resolve_model_path(config.model)
     if path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                      dtype=torch.float32).to(dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    model.eval()
+    model.to(device).eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=temperature > 0,
                   pad_token_id=0)
     if temperature > 0:
         kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
     with torch.inference_mode():
-        model.generate(torch.tensor(prompts[:1]), **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        model.generate(torch.tensor(prompts[:1], device=device), **{**kwargs, "max_new_tokens": 2,
+                                                                     "min_new_tokens": 2})
         start = time.perf_counter()
         for i in range(0, len(prompts), batch_size):
             # Same-length prompts: a static batch needs no padding.
-            model.generate(torch.tensor(prompts[i:i + batch_size]), **kwargs)
+            model.generate(torch.tensor(prompts[i:i + batch_size], device=device), **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     return time.perf_counter() - start
 
 

@@ -9,14 +9,16 @@ import psutil
 import torch
 
 from tokenmill.config import EngineConfig, parse_memory
+from tokenmill.engine.cuda_graph import DecodeCUDAGraphs, DecodeInputBuffers, capture_sizes
 from tokenmill.engine.host_memory import keep_freed_memory_in_process
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler, logprob_entries
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.engine.spec_decode.rejection_sampler import verify
+from tokenmill.engine.transfer import to_device
 from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.manager import LoRAManager
-from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, get_attention_backend
+from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, TritonBackend, get_attention_backend
 from tokenmill.models.kv_quant import kv_storage_dtype, needs_calibration
 from tokenmill.models.loader import ModelInfo, load_model, resolve_dtype
 
@@ -67,8 +69,13 @@ class ModelRunner:
         self.lora = LoRAManager(self.model, config, self.dtype, self.device, kernels) if config.enable_lora else None
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.num_blocks = self._num_blocks(max_model_len)
+        # CUDA graphs for decode steps (engine/cuda_graph.py): their padding rows write to one scratch block
+        # past the scheduler's blocks
+        graph_sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora
+                      and isinstance(self.backend, TritonBackend) and bool(graph_sizes))
         layers, kv_heads = len(self.model.layers), self.model.num_kv_heads
-        k_shape, v_shape = self.backend.kv_cache_shapes(self.num_blocks, self.block_size, kv_heads,
+        k_shape, v_shape = self.backend.kv_cache_shapes(self.num_blocks + use_graphs, self.block_size, kv_heads,
                                                         self.model.head_dim)
         # Per layer: K, V and their scales [2, kv_heads, head_dim] (read only for one-byte dtypes: kv_quant.py).
         self.kv_scales = torch.ones(layers, 2, kv_heads, self.model.head_dim, dtype=torch.float32,
@@ -77,6 +84,11 @@ class ModelRunner:
                            torch.zeros(v_shape, dtype=self.kv_dtype, device=self.device), self.kv_scales[i])
                           for i in range(layers)]
         self.backend.calibrating = needs_calibration(config.kv_cache_dtype, config.calculate_kv_scales)
+        self.graphs = None  # captured at the first decode-only step, once the KV scales are set
+        if use_graphs:
+            buffers = DecodeInputBuffers(graph_sizes[-1], -(-max_model_len // self.block_size), self.block_size,
+                                         self.num_blocks, self.device)
+            self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, self.backend, graph_sizes, buffers)
         logger.info("KV cache: dtype %s (%s), %d bytes per token, %d blocks of %d tokens = %d tokens, %.2f GiB",
                     config.kv_cache_dtype, str(self.kv_dtype).removeprefix("torch."),
                     self._block_bytes() // self.block_size, self.num_blocks, self.block_size,
@@ -108,7 +120,8 @@ class ModelRunner:
 
     def _metadata(self, order: list[Request], query_lens: list[int],
                   block_tables: dict[str, list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """The step's input ids and attention metadata, built in numpy and handed to torch without copies."""
+        """The step's input ids and attention metadata, built in numpy and handed to torch without copies (on
+        the CPU) or in one transfer (engine/transfer.py)."""
         bs = self.block_size
         starts = [r.num_computed_tokens for r in order]
         context_lens = [s + n for s, n in zip(starts, query_lens)]
@@ -133,14 +146,14 @@ class ModelRunner:
             tables[i, :num_blocks] = block_tables[r.request_id][:num_blocks]
             offset = query_start_loc[i + 1] = end
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        dev = self.device
+        ids, positions, slots, query_start_loc, seq_lens, tables = to_device(
+            [input_ids, positions, slots, query_start_loc, np.array(context_lens, dtype=np.int32), tables],
+            self.device)
         meta = AttentionMetadata(
-            positions=torch.from_numpy(positions).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev), num_decodes=sum(1 for n in query_lens if n == 1),
-            query_lens=query_lens, context_lens=context_lens)
-        return torch.from_numpy(input_ids).to(dev), meta
+            positions=positions, slot_mapping=slots, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=tables, num_decodes=sum(1 for n in query_lens if n == 1), query_lens=query_lens,
+            context_lens=context_lens)
+        return ids, meta
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> RunnerOutput:
@@ -171,7 +184,13 @@ class ModelRunner:
         input_ids, meta = self._metadata(order, query_lens, block_tables)
         if self.lora is not None:  # which slot each token's adapter is in; none: the model's base path
             self.lora.prepare(order, query_lens)
-        hidden = self.model(input_ids, self.kv_caches, meta, self.backend)
+        hidden = None
+        if self.graphs is not None and meta.num_decodes == len(order) and not verifying:
+            if not self.graphs.graphs and not self.backend.calibrating:
+                self.graphs.capture()
+            hidden = self.graphs.run(input_ids, meta) if self.graphs.graphs else None
+        if hidden is None:
+            hidden = self.model(input_ids, self.kv_caches, meta, self.backend)
         if self.backend.calibrating:  # that was the first forward pass: the KV scales are set for good
             self.backend.calibrating = False
             logger.info("KV cache scales from the first step's %d tokens: K %.3g..%.3g, V %.3g..%.3g",

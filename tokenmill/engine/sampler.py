@@ -3,15 +3,21 @@
 Order, as in vLLM: logit_bias and min_tokens masking, repetition/presence/frequency penalties, then greedy
 argmax, or temperature, top-k, top-p, min-p and a draw. Logprobs are of the raw model output.
 A seeded request draws its uniform from its own torch.Generator, advanced once per token, so its output does not depend on
-what else is in the batch."""
+what else is in the batch.
+
+On CUDA all of it runs on the device: the per-request parameters and token ids are built on the host and moved
+in one transfer, top-k/top-p sorts in full instead of asking the host which rows its shortcut covered, and the
+step's one device-to-host copy is of the sampled ids (plus one for the logprobs, when asked)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.engine.request import Request
+from tokenmill.engine.transfer import to_device
 from tokenmill.logprobs import TokenLogprobs
 
 
@@ -23,14 +29,16 @@ class SamplerOutput:
 
 def logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
     """logprobs [N, V] (already log-softmaxed), the chosen token of each row, and how many alternatives."""
-    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    ranks = (logprobs > chosen[:, None]).sum(1) + 1
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(1, keepdim=True) + 1
     kmax = max(ks)
     top_vals, top_ids = logprobs.topk(kmax, dim=1) if kmax else (logprobs[:, :0], token_ids[:, None][:, :0])
-    chosen, ranks = chosen.tolist(), ranks.tolist()
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    return [TokenLogprobs(int(t), chosen[i], ranks[i], top_ids[i][:ks[i]], top_vals[i][:ks[i]])
-            for i, t in enumerate(token_ids.tolist())]
+    # one device-to-host copy for all of it: float64 holds the float32 values and the ids exactly
+    rows = torch.cat([token_ids[:, None], ranks, top_ids], 1).double()
+    rows = torch.cat([rows, chosen.double(), top_vals.double()], 1).tolist()
+    k = top_ids.shape[1]
+    return [TokenLogprobs(int(r[0]), r[2 + k], int(r[1]), [int(t) for t in r[2:2 + ks[i]]], r[3 + k:3 + k + ks[i]])
+            for i, r in enumerate(rows)]
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -115,17 +123,22 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
         dev = logits.device
+        # the token ids and the penalties built on the host, moved in one transfer (engine/transfer.py)
+        out_ids = [r.output_token_ids for r in requests]
+        prompt_ids = [r.prompt_token_ids for r in requests]
+        out_rows, out_ids, prompt_rows, prompt_ids, penalties = to_device([
+            np.repeat(np.arange(len(requests)), [len(t) for t in out_ids]),
+            np.fromiter((t for ids in out_ids for t in ids), dtype=np.int64),
+            np.repeat(np.arange(len(requests)), [len(t) for t in prompt_ids]),
+            np.fromiter((t for ids in prompt_ids for t in ids), dtype=np.int64),
+            np.array([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
+                      for r in requests], dtype=np.float32)], dev)
         counts = torch.zeros(len(rows), self.vocab_size, device=dev)
+        counts.index_put_((out_rows, out_ids), torch.ones(out_ids.shape[0], device=dev), accumulate=True)
         seen = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device=dev)
-        for j, r in enumerate(requests):
-            if r.output_token_ids:
-                out = torch.tensor(r.output_token_ids, device=dev)
-                counts[j].index_add_(0, out, torch.ones(len(out), device=dev))
-            seen[j, torch.tensor(r.prompt_token_ids, device=dev)] = True
+        seen[prompt_rows, prompt_ids] = True
         seen |= counts > 0
-        rep = torch.tensor([r.params.repetition_penalty for r in requests], device=dev)[:, None]
-        freq = torch.tensor([r.params.frequency_penalty for r in requests], device=dev)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in requests], device=dev)[:, None]
+        rep, freq, pres = penalties[:, 0:1], penalties[:, 1:2], penalties[:, 2:3]
         sub = logits[rows]
         # Repetition penalty (CTRL): shrink positive and grow negative logits of tokens seen in prompt or output.
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
@@ -184,7 +197,9 @@ class Sampler:
         dev, vocab = logits.device, logits.shape[1]
         ks = [min(t, vocab) if t > 0 else vocab for t in top_k]
         num = min(vocab, max(k if k < vocab else cls.TOP_P_CANDIDATES for k in ks))
-        if num >= vocab:
+        # On CUDA the full sort costs tens of microseconds and asks the host nothing; the candidates' path below
+        # asks which rows it covered (two device-to-host syncs)
+        if num >= vocab or logits.is_cuda:
             return cls._top_k_top_p_sorted(logits, top_k, top_p)
         values, order = logits.topk(num, dim=-1)
         k = torch.tensor(ks, device=dev)[:, None]

@@ -13,8 +13,11 @@ layers differ (Gemma 3): `sliding_window` (the row at position p sees only keys 
 block tables stay shared by all layers, and the window is applied when reading.
 - `cpu`: tokenmill's kernels (tokenmill/kernels): RoPE fused with the cache write, and one varlen paged
   attention call for decode rows and prefill chunks together, reading each KV block in place.
+- `triton`: tokenmill's Triton kernels (tokenmill/kernels/triton/attention.py), the default on CUDA: one varlen
+  prefill launch over the paged cache for every prefill chunk of the step, and split-K decode; the torch_sdpa
+  layout, writes and one-byte rules, only the attention itself differs.
 - `torch_sdpa`: gathers each sequence's blocks and calls torch's scaled_dot_product_attention; the reference
-  for the kernels, and the path on CUDA or where the kernels cannot be built.
+  for the kernels, and the path where neither kernel set serves (CUDA without triton, other devices).
 
 A layer's cache is (k_cache, v_cache, kv_scales): with --kv-cache-dtype fp8/int8 the caches hold one byte per
 element and kv_scales [2, kv_heads, head_dim] float32 says what a byte is worth (tokenmill/models/kv_quant.py); writes
@@ -170,6 +173,32 @@ class TorchSDPABackend:
         return out
 
 
+class TritonBackend(TorchSDPABackend):
+    """The Triton kernels for the attention itself; RoPE, norms and cache writes as torch_sdpa (torch ops).
+    Graph-safe for decode-only steps: it reads lengths from tensors and takes its launch shape from the batch
+    (tokenmill/engine/cuda_graph.py)."""
+
+    name = "triton"
+
+    def __init__(self, block_m: int | None = None, block_n: int | None = None, num_splits: int | None = None):
+        """Tile sizes and the decode split count: None picks them from the shapes (the tests set small ones)."""
+        from tokenmill.kernels.triton import attention as kernels
+        self.kernels = kernels
+        self.block_m, self.block_n, self.num_splits = block_m, block_n, num_splits
+
+    def _attend(self, q, k, v, k_cache, v_cache, kv_scales, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        out = torch.empty_like(q)
+        d, n = meta.num_decodes, len(meta.query_lens)
+        self.kernels.decode_attention(out, q, k, v, k_cache, v_cache, kv_scales, meta.block_tables, meta.seq_lens,
+                                      d, scale, window, self.num_splits, self.block_n)
+        if n > d:
+            self.kernels.prefill_attention(out, q, k, v, k_cache, v_cache, kv_scales, meta.block_tables,
+                                           meta.seq_lens, meta.query_start_loc, d, n - d, max(meta.query_lens[d:]),
+                                           scale, window, self.block_m, self.block_n)
+        return out
+
+
 class CPUKernelBackend:
     """tokenmill's C++ kernels: float32 or bfloat16 on the CPU."""
 
@@ -212,13 +241,28 @@ class CPUKernelBackend:
         return out
 
 
-ATTENTION_BACKENDS = ("auto", CPUKernelBackend.name, TorchSDPABackend.name)
+ATTENTION_BACKENDS = ("auto", CPUKernelBackend.name, TritonBackend.name, TorchSDPABackend.name)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int):
-    """auto: the CPU kernels where they serve this device, dtype and shape, else torch_sdpa. The choice is logged."""
+    """auto: the CPU kernels where they serve this device, dtype and shape; the Triton kernels on CUDA; else
+    torch_sdpa. The choice is logged."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {list(ATTENTION_BACKENDS)}")
+    if name == TritonBackend.name or (name == "auto" and device.type == "cuda"):
+        if triton_available():
+            logger.info("attention backend: triton")
+            return TritonBackend()
+        if name == TritonBackend.name:
+            raise ValueError("--attention-backend triton needs the triton package")
     if name in ("auto", CPUKernelBackend.name):
         from tokenmill.kernels import cpu_ops
         usable = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)

@@ -85,8 +85,9 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
         # bf16 matmuls are fast only with AMX or AVX512-BF16; elsewhere oneDNN emulates them and float32 wins
         # (measured on an AVX2-only EPYC: a 2048x576x1728 bf16 linear took 5x as long as float32).
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    configured = checkpoint_dtype(hf_config)
-    return configured if configured in (torch.bfloat16, torch.float16) else torch.bfloat16
+    # CUDA: bfloat16, whatever the checkpoint says (float32 and float16 checkpoints too, as the README's table
+    # says): fp16's range overflows in some models' activations, bf16's does not; --dtype float16 still asks for it
+    return torch.bfloat16
 
 
 def _safetensors_weights(model_path: str):
