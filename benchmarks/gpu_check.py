@@ -116,10 +116,11 @@ def load_hf(model_path: str, dtype: torch.dtype, device: str):
 
 
 def test_suite_prompts(tokenizer, count: int) -> list[list[int]]:
-    """tests/test_correctness.py's prompts: windows of its TEXT at its LENGTHS."""
-    from test_correctness import LENGTHS, TEXT
+    """The test suite's HF-equality prompts (tests/conftest.py's `prompts`): windows of helpers.TEXT at
+    helpers.PROMPT_LENGTHS."""
+    from helpers import PROMPT_LENGTHS, TEXT
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    return [ids[i * 40:i * 40 + n] for i, n in enumerate(LENGTHS)][:count]
+    return [ids[i * 40:i * 40 + n] for i, n in enumerate(PROMPT_LENGTHS)][:count]
 
 
 def hf_equality(args) -> dict:

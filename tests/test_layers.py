@@ -13,7 +13,7 @@ FLOORS: list[tuple[tuple[str, ...], ...]] = [
     # plain data and parsers, no torch: what every process (engine, API server, router) may load
     (("tokenmill.envs", "tokenmill.logs", "tokenmill.json_flag", "tokenmill.heap", "tokenmill.sampling_params",
       "tokenmill.pooling_params", "tokenmill.pooling_outputs", "tokenmill.logprobs", "tokenmill.outputs",
-      "tokenmill.reasoning", "tokenmill.tool_parsers", "tokenmill.chat_templates", "tokenmill.tokenizer",
+      "tokenmill.reasoning", "tokenmill.tool_parsers", "tokenmill.chat_templates", "tokenmill.gguf_file", "tokenmill.tokenizer",
       "tokenmill.detokenizer", "tokenmill.config"),),
     # the model code and what it runs on
     (("tokenmill.kernels", "tokenmill.models", "tokenmill.lora"),),
