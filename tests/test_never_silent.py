@@ -94,3 +94,37 @@ def test_dynamic_rope_within_its_length_matches_hf(tmp_path, tokenizer_dir, toke
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(model, prompt, MAX_TOKENS)
+
+
+def test_prompt_logprobs_whole_after_a_preemption_mid_prefill(tmp_path, tokenizer_dir, tokenizer):  # noqa: F811
+    """A pool of 6 blocks of 16 tokens and chunks of 16: a 40-token generation holds 2-3 blocks while a 75-token
+    prompt with prompt_logprobs needs 5, so the prompt is preempted in the middle of its chunked prefill (its
+    first chunks' logprobs already returned) and recomputed once the generation ends. Its list comes back whole:
+    one entry per prompt token, equal to the unpreempted run's."""
+    _build("llama", str(tmp_path), tokenizer_dir, tokenizer)
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", block_size=16, num_gpu_blocks_override=6,
+              max_num_batched_tokens=16, max_model_len=96)
+    engine = llm.engine
+    long_prompt = tokenizer.encode(" ".join(TEXTS) * 2)[:75]
+    assert len(long_prompt) == 75
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    engine.add_request("generation", tokenizer.encode(TEXTS[0])[:20],
+                       SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    engine.add_request("scored", long_prompt, scored)
+    got, returned_before_preemption = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == "scored":
+                got += o.prompt_logprobs or []
+        request = engine.scheduler.requests.get("scored")
+        if returned_before_preemption is None and request is not None and request.num_preemptions:
+            returned_before_preemption = len(got)
+    assert returned_before_preemption is not None and 0 < returned_before_preemption < len(long_prompt)
+    assert engine.stats()["num_preemptions"] > 0
+
+    want = llm.generate([long_prompt], scored, use_tqdm=False)[0].prompt_logprobs  # alone: no preemption
+    assert len(want) == len(got) == len(long_prompt)
+    assert got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:]):
+        assert (g.token_id, g.rank, g.top_token_ids) == (w.token_id, w.rank, w.top_token_ids)
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
