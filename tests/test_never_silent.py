@@ -9,10 +9,13 @@
   logprobs; max_tokens 0 without echo stays a 400."""
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 
 from conftest import hf_greedy
+from openai_shapes import sse_events
+from server_utils import MODEL, server  # noqa: F401  (the fixture)
 from test_models import _build, tokenizer_dir  # noqa: F401  (tokenizer_dir: a fixture used below)
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import runnable_isas
@@ -128,3 +131,40 @@ def test_prompt_logprobs_whole_after_a_preemption_mid_prefill(tmp_path, tokenize
     for g, w in zip(got[1:], want[1:]):
         assert (g.token_id, g.rank, g.top_token_ids) == (w.token_id, w.rank, w.top_token_ids)
         assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+
+
+SCORED = "The capital of France is Paris, and the capital of Italy is Rome."
+
+
+def test_completions_echo_with_max_tokens_0_scores_the_prompt(server, tokenizer, hf_reference):  # noqa: F811
+    """vLLM's prompt scoring (evaluation harnesses send it): the prompt comes back as the text, with HF's logprob
+    of each of its tokens (the first has none), and nothing is generated: no text, ids or usage beyond it."""
+    ids = tokenizer.encode(SCORED)
+    body = {"model": MODEL, "prompt": SCORED, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    r = httpx.post(server.url_for("/v1/completions"), json=body, headers=server.headers(), timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == SCORED and choice["finish_reason"] == "length"
+    assert r.json()["usage"]["prompt_tokens"] == len(ids) and r.json()["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids)
+    assert "".join(lp["tokens"]) == SCORED and lp["token_logprobs"][0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = [ref[pos - 1, ids[pos]].item() for pos in range(1, len(ids))]
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-2)  # fp32 kernels against HF's fp32
+
+    events = sse_events(httpx.post(server.url_for("/v1/completions"), headers=server.headers(), timeout=120,
+                                   json={**body, "logprobs": None, "stream": True,
+                                         "stream_options": {"include_usage": True}}))
+    choices = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in choices) == SCORED
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == 0
+
+
+def test_completions_max_tokens_0_without_echo_is_refused(server):  # noqa: F811
+    """As vLLM: max_tokens 0 means prompt scoring only with echo; alone it is a 400 naming max_tokens."""
+    r = httpx.post(server.url_for("/v1/completions"), headers=server.headers(), timeout=60,
+                   json={"model": MODEL, "prompt": SCORED, "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.text
