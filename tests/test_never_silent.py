@@ -88,10 +88,20 @@ def test_unimplemented_architecture_fields_are_refused_at_load(case, tmp_path, t
         LLM(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=128)
 
 
-def test_dynamic_rope_within_its_length_matches_hf(tmp_path, tokenizer_dir, tokenizer):  # noqa: F811
-    """Up to max_position_embeddings HF's dynamic NTK tables are the static ones: served, and equal to HF."""
+ROPE_TYPES = {  # honoured: static tables (dynamic: up to max_position_embeddings, where HF's are static too)
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPE_TYPES))
+def test_rope_scaling_types_match_hf(rope, tmp_path, tokenizer_dir, tokenizer):  # noqa: F811
     model = _build("llama", str(tmp_path), tokenizer_dir, tokenizer, max_position_embeddings=64,
-                   rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+                   rope_parameters={**ROPE_TYPES[rope], "rope_theta": 10000.0})
+    assert model.config.rope_parameters["rope_type"] == rope
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=64)
     prompt = tokenizer.encode(TEXTS[1])
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
