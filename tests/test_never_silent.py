@@ -178,3 +178,33 @@ def test_completions_max_tokens_0_without_echo_is_refused(server):  # noqa: F811
     r = httpx.post(server.url_for("/v1/completions"), headers=server.headers(), timeout=60,
                    json={"model": MODEL, "prompt": SCORED, "max_tokens": 0})
     assert r.status_code == 400 and "max_tokens" in r.text
+
+
+@pytest.mark.anyio
+async def test_prompt_scoring_shapes_in_process(app, tokenizer):
+    """The same request on the in-process app (fake engine, milliseconds): two prompts, n 2, token ids asked for.
+    Each choice is its prompt, with one logprob entry per prompt token; no generated text, ids or usage; streamed,
+    the echo and then only the finish_reason."""
+    prompts = ["One", "Two three"]
+    body = {"model": MODEL, "prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 1, "n": 2,
+            "return_token_ids": True}
+    async with app.http() as client:
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        for i, c in enumerate(out["choices"]):
+            ids = tokenizer.encode(prompts[i // 2])
+            assert c["text"] == prompts[i // 2] and c["token_ids"] == [] and c["prompt_token_ids"] == ids
+            assert len(c["logprobs"]["tokens"]) == len(ids) and c["logprobs"]["token_logprobs"][0] is None
+            assert c["finish_reason"] == "length"
+        assert out["usage"]["completion_tokens"] == 0
+        assert out["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(p)) for p in prompts)
+        r = await client.post("/v1/completions", json={**body, "logprobs": None, "return_token_ids": False,
+                                                       "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_events(r)
+    by_choice: dict[int, list] = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            by_choice.setdefault(c["index"], []).append((c["text"], c["finish_reason"]))
+    assert by_choice == {i: [(prompts[i // 2], None), ("", "length")] for i in range(4)}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 0
