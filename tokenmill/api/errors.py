@@ -134,7 +134,8 @@ def _out_of_bounds(where: str, top_level: bool, error: dict) -> str:
         for model in (cp.CompletionRequest, chp.ChatCompletionRequest):
             field = model.model_fields.get(where)
             if field is not None:
-                bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+                declared = {k: getattr(m, k) for m in field.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+                bounds = {**declared, **violated}  # the models may bound a shared name differently (max_tokens)
                 break
     value = error.get("input")
     if any(v in (p.INT64_MIN, p.INT64_MAX) for v in violated.values()):

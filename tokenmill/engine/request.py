@@ -56,6 +56,7 @@ class Request:
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.logprobs: list[dict] = []  # per output token, when params.logprobs is set
         self.prompt_logprobs: list[dict | None] = []
+        self.num_prompt_logprobs = 0  # prompt logprob entries returned so far (kept across preemptions)
         self.thinking = None  # a ThinkingTracker, for reasoning requests with a thinking budget or a grammar
         self.pooling = None  # PoolingParams: embedded in one step, never decoded
         self.lora_request = None  # a LoRARequest: the adapter it runs with (tokenmill/lora/); None: the base model

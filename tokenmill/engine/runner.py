@@ -169,7 +169,7 @@ class ModelRunner:
         flat_start = 0
         for r, n in zip(order, query_lens):
             start, end = r.num_computed_tokens, r.num_computed_tokens + n
-            if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens and not r.num_preemptions:
+            if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens:
                 prompt_lp.append((r, flat_start, min(end, r.num_prompt_tokens) - start))
             if r.pooling is not None:  # scheduled whole (scheduler.py): its last row is its last token
                 pool_rows.append((r, flat_start, n))
@@ -222,12 +222,16 @@ class ModelRunner:
 
     def _prompt_logprobs(self, r: Request, hidden: torch.Tensor) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. start+count, given the hidden states at start .. start+count-1;
-        the very first prompt token has none."""
-        start = r.num_computed_tokens
-        targets = r.prompt_token_ids[start + 1:start + 1 + hidden.shape[0]]
-        entries: list[TokenLogprobs | None] = [None] if start == 0 else []
+        the very first prompt token has none. Only the entries not yet returned: a request preempted in the middle
+        of its prefill recomputes its prompt from the start, and its list continues where it stopped."""
+        start, done = r.num_computed_tokens, r.num_prompt_logprobs
+        first = max(start + 1, done)  # the first prompt token whose logprob is due
+        targets = r.prompt_token_ids[first:start + 1 + hidden.shape[0]]
+        entries: list[TokenLogprobs | None] = [None] if start == 0 == done else []
         if targets:
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[:len(targets)]), dim=-1)
+            rows = hidden[first - start - 1:first - start - 1 + len(targets)]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
             ids = torch.tensor(targets, device=self.device)
             entries.extend(logprob_entries(logprobs, ids, [r.params.prompt_logprobs] * len(targets)))
+        r.num_prompt_logprobs = done + len(entries)
         return entries

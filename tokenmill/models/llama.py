@@ -56,6 +56,55 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](config)
 
 
+# rope types whose HF tables change with the sequence length: up to this length (a config field) they are the
+# static tables rope_inv_freq computes; beyond it HF recomputes them per forward pass
+LENGTH_DEPENDENT_ROPE = {"dynamic": "max_position_embeddings", "longrope": "original_max_position_embeddings"}
+
+
+def check_config(config, max_positions: int, arch: str) -> None:
+    """Refuses, naming the field, what changes the math of the Llama family and is not implemented here, rather
+    than serving a different model. Read elsewhere: head_dim, attention_bias (registry.py), tie_word_embeddings,
+    sliding_window / layer_types (layer_windows), rope_parameters (rope_inv_freq)."""
+    def refuse(field: str, why: str):
+        raise ValueError(f"{arch}: config field {field} {why}; tokenmill does not implement it")
+
+    if getattr(config, "hidden_act", "silu") != "silu":
+        refuse("hidden_act", f"is {config.hidden_act!r} (only 'silu' is implemented for this architecture)")
+    if getattr(config, "mlp_bias", False):
+        refuse("mlp_bias", "is true (MLP projections with biases)")
+    params = getattr(config, "rope_parameters", None) or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        refuse("rope_parameters", "gives per-layer-type RoPE parameters")
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        refuse("rope_parameters.rope_type", f"is {rope_type!r} (known: default, {', '.join(ROPE_INIT_FUNCTIONS)})")
+    if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
+        refuse("partial_rotary_factor", "rotates only part of each head")
+    limit_field = LENGTH_DEPENDENT_ROPE.get(rope_type)
+    if limit_field:
+        limit = params.get(limit_field) or getattr(config, limit_field, None)
+        if limit is not None and max_positions > limit:
+            raise ValueError(f"{arch}: rope_parameters.rope_type {rope_type!r} changes its tables beyond {limit_field}"
+                             f"={limit} tokens, which tokenmill does not implement; serve with --max-model-len "
+                             f"{limit} or less (asked for {max_positions})")
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        refuse("layer_types", f"names {sorted(kinds)}")
+
+
+def layer_windows(config, every_layer: bool) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as HF applies it. every_layer (Mistral): the window
+    holds on every layer. Otherwise (Qwen2, Qwen3) on the layers `layer_types` marks sliding: HF derives those from
+    use_sliding_window and max_window_layers, and sets sliding_window to None when use_sliding_window is off."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * config.num_hidden_layers
+    if every_layer:
+        return [window] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in types]
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
@@ -70,8 +119,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: int | None = None):
         super().__init__()
+        self.sliding_window = sliding_window  # keys p - W + 1..p only (attention.py); None: all
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -84,7 +134,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, x, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
-        out = backend.forward(self, self.qkv_proj(x), kv_cache, meta)  # norms, RoPE, cache write, attention
+        # norms, RoPE, cache write, attention
+        out = backend.forward(self, self.qkv_proj(x), kv_cache, meta, sliding_window=self.sliding_window)
         return self.o_proj(out.view(-1, self.q_size))
 
 
@@ -109,10 +160,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm)
+        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -137,11 +188,14 @@ class LlamaForCausalLM(nn.Module):
              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config, max_positions: int, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, sliding_windows: list[int | None] | None = None):
+        """sliding_windows: each layer's window (layer_windows; None: full attention everywhere)."""
         super().__init__()
+        check_config(config, max_positions, (getattr(config, "architectures", None) or [type(self).__name__])[0])
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers))
+        windows = sliding_windows or [None] * config.num_hidden_layers
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, qk_norm, w) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -179,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if ops is None or not linears or any(m.packed is None and m.quant is None for m in linears):
             return
+        if any(layer.self_attn.sliding_window for layer in self.layers):
+            return  # llama_forward attends over every key: windowed layers run one by one (as Gemma 3's)
         none = torch.empty(0, dtype=self.norm.weight.dtype)
         weights = []
         for layer in self.layers:  # a quantized linear passes (qweight, meta) for (oneDNN layout, small-M layout)

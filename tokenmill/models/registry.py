@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tokenmill.models.bert import BertModel
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.llama import LlamaForCausalLM, layer_windows
 
 
 def _llama_options(config) -> dict:
@@ -11,12 +11,17 @@ def _llama_options(config) -> dict:
     return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
 
-# architecture → (class, options derived from the HF config)
+# architecture → (class, options derived from the HF config), each as HF's implementation reads the config:
+# Llama has no window and biases per attention_bias; Mistral has no biases and its window on every layer;
+# Qwen2 has q/k/v biases and no o bias; Qwen2 and Qwen3 window the layers layer_types marks sliding.
 MODEL_REGISTRY = {
     "LlamaForCausalLM": (LlamaForCausalLM, _llama_options),
-    "MistralForCausalLM": (LlamaForCausalLM, _llama_options),
-    "Qwen2ForCausalLM": (LlamaForCausalLM, lambda c: {"qkv_bias": True, "o_bias": False, "qk_norm": False}),
-    "Qwen3ForCausalLM": (LlamaForCausalLM, lambda c: {**_llama_options(c), "qk_norm": True}),
+    "MistralForCausalLM": (LlamaForCausalLM, lambda c: {"qkv_bias": False, "o_bias": False, "qk_norm": False,
+                                                        "sliding_windows": layer_windows(c, every_layer=True)}),
+    "Qwen2ForCausalLM": (LlamaForCausalLM, lambda c: {"qkv_bias": True, "o_bias": False, "qk_norm": False,
+                                                      "sliding_windows": layer_windows(c, every_layer=False)}),
+    "Qwen3ForCausalLM": (LlamaForCausalLM, lambda c: {**_llama_options(c), "qk_norm": True,
+                                                      "sliding_windows": layer_windows(c, every_layer=False)}),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, lambda c: {}),
     "BertModel": (BertModel, lambda c: {}),  # an encoder: pooling only (RoBERTa's family waits for a test model)
 }

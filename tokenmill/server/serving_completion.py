@@ -35,23 +35,31 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = self.num_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if prompt_logprobs is None and req.echo:  # as vLLM: the echoed tokens' logprobs are the prompt's
             prompt_logprobs = num_logprobs
+        # Prompt scoring, as vLLM does it: echo with max_tokens 0 returns the prompt and its logprobs. The engine
+        # computes one token (vLLM's way: every request samples one), which is dropped: no text, ids, logprobs
+        # or usage of it reach the client.
+        echo_only = bool(req.echo) and req.max_tokens == 0
+        max_tokens = 1 if echo_only else req.max_tokens
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.use_beam_search:
             if req.stream:  # vLLM's answer: its beam search yields only the final output
                 raise ParamError("Streaming is not currently supported with beam search", "stream")
-            stream = self.start_beam_search(request_id, prompts, req, req.max_tokens, num_logprobs, lora_request=lora)
+            stream = self.start_beam_search(request_id, prompts, req, max_tokens, num_logprobs, lora_request=lora)
         else:
-            params = self.sampling_params(req, req.max_tokens, num_logprobs, prompt_logprobs)
+            params = self.sampling_params(req, max_tokens, num_logprobs, prompt_logprobs)
             stream = self.start(request_id, prompts, params, req.priority, raw, "text_completion", lora)
         echo_texts = [state.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         model, created, n = state.served_model_name(lora), int(time.time()), stream.params.n
         as_ids = self.tokens_as_ids(req)
         if req.stream:
             return self.streamed_response(stream, prompts, echo_texts, model, created, *self.stream_usage(req),
-                                          bool(req.return_token_ids), as_ids)
+                                          bool(req.return_token_ids), as_ids, echo_only)
         choices = await self.run_to_completion(raw, stream, len(prompts) * n)
         if isinstance(choices, Response):
             return choices
+        if echo_only:
+            for c in choices:
+                c.text, c.token_ids, c.logprobs, c.num_tokens = "", [], [], 0
         out = []
         for i, c in enumerate(choices):
             prompt_ids = prompts[i // n]
@@ -96,7 +104,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def streamed_response(self, stream: GenerationStream, prompts: list[list[int]], echo_texts: list[str] | None,
                           model: str, created: int, include_usage: bool, continuous_usage: bool,
-                          return_token_ids: bool, as_ids: bool) -> EventStreamResponse:
+                          return_token_ids: bool, as_ids: bool, echo_only: bool = False) -> EventStreamResponse:
+        """echo_only: prompt scoring (echo, max_tokens 0): the echo, then only each choice's finish_reason."""
         n, rid, k = stream.params.n, stream.request_id, stream.params.logprobs
         num_choices = len(prompts) * n
         offsets = [len(echo_texts[i // n]) if echo_texts else 0 for i in range(num_choices)]  # of the next token
@@ -119,6 +128,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def events_for(d: SampleDelta) -> list[bytes]:
             events = []
+            if echo_only:  # the one token the engine computed is not the client's
+                return [chunk(d.index, "", None, d.finish_reason, d.stop_reason)] if d.finish_reason else []
             num_tokens[d.index] += len(d.token_ids)
             logprobs = None
             if d.logprobs:
@@ -131,7 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return events
 
         def usage_event(num_tokens: int) -> bytes:
-            usage = self.usage(prompts, num_tokens, stream.num_cached_tokens)
+            usage = self.usage(prompts, 0 if echo_only else num_tokens, stream.num_cached_tokens)
             return sse_event(cp.CompletionResponse(rid, created, model, [], usage))
 
         return self.stream_response(stream, first, events_for, usage_event if include_usage else None)
