@@ -121,6 +121,14 @@ def shared_tiny_llm(tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tokenizer_dir(tokenizer, tmp_path_factory) -> str:
+    """The default model's tokenizer saved as an HF directory, for the tiny random checkpoints built beside it."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def stream(tokenizer) -> list[int]:
     """helpers.TEXT as token ids."""
     from helpers import TEXT

@@ -22,13 +22,6 @@ PROMPTS = ["The capital of France is",
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tokenizer, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tokenizer")
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 CASES = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "llama-untied": ("llama", {"tie_word_embeddings": False}),

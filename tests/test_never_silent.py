@@ -13,10 +13,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers import MODEL, build_tiny_model, hf_greedy
 from openai_shapes import sse_events
-from server_utils import MODEL, server  # noqa: F401  (the fixture)
-from test_models import _build, tokenizer_dir  # noqa: F401  (tokenizer_dir: a fixture used below)
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import runnable_isas
 
@@ -39,7 +37,7 @@ def _backend(name: str) -> str:
 def _check_windowed(arch: str, kw: dict, backend: str, tmp_path, tokenizer_dir, tokenizer):  # noqa: F811
     """tokenmill's greedy ids equal HF's for prompts longer than the window, in chunks of 8 tokens, then again
     with a shared prefix whose blocks are cached by the first round."""
-    model = _build(arch, str(tmp_path), tokenizer_dir, tokenizer, **kw)
+    model = build_tiny_model(arch, str(tmp_path), tokenizer_dir, tokenizer, **kw)
     prompts = [tokenizer.encode(t) for t in TEXTS]
     prefixed = [tokenizer.encode(SHARED + t) for t in TEXTS]
     assert all(len(p) > 2 * WINDOW for p in prompts)
@@ -83,7 +81,7 @@ REFUSED = {  # (architecture, config fields, the field the error names)
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_unimplemented_architecture_fields_are_refused_at_load(case, tmp_path, tokenizer_dir, tokenizer):  # noqa: F811
     arch, kw, field = REFUSED[case]
-    _build(arch, str(tmp_path), tokenizer_dir, tokenizer, **kw)
+    build_tiny_model(arch, str(tmp_path), tokenizer_dir, tokenizer, **kw)
     with pytest.raises(ValueError, match=field):
         LLM(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=128)
 
@@ -99,7 +97,7 @@ ROPE_TYPES = {  # honoured: static tables (dynamic: up to max_position_embedding
 
 @pytest.mark.parametrize("rope", list(ROPE_TYPES))
 def test_rope_scaling_types_match_hf(rope, tmp_path, tokenizer_dir, tokenizer):  # noqa: F811
-    model = _build("llama", str(tmp_path), tokenizer_dir, tokenizer, max_position_embeddings=64,
+    model = build_tiny_model("llama", str(tmp_path), tokenizer_dir, tokenizer, max_position_embeddings=64,
                    rope_parameters={**ROPE_TYPES[rope], "rope_theta": 10000.0})
     assert model.config.rope_parameters["rope_type"] == rope
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=64)
@@ -114,7 +112,7 @@ def test_prompt_logprobs_whole_after_a_preemption_mid_prefill(tmp_path, tokenize
     prompt with prompt_logprobs needs 5, so the prompt is preempted in the middle of its chunked prefill (its
     first chunks' logprobs already returned) and recomputed once the generation ends. Its list comes back whole:
     one entry per prompt token, equal to the unpreempted run's."""
-    _build("llama", str(tmp_path), tokenizer_dir, tokenizer)
+    build_tiny_model("llama", str(tmp_path), tokenizer_dir, tokenizer)
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", block_size=16, num_gpu_blocks_override=6,
               max_num_batched_tokens=16, max_model_len=96)
     engine = llm.engine
