@@ -71,7 +71,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launch", action="store_true",
                         help="start `tokenmill serve` with the unrecognised flags, benchmark it, stop it")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-dir", default=None, help="default: benchmarks/results/<timestamp>/")
+    parser.add_argument("--output-dir", default=None, help="default: benchmarks/runs/<timestamp>/ (ignored by git)")
 
 
 def main(args: argparse.Namespace, extra: list[str] | None = None) -> int:
@@ -86,7 +86,7 @@ def main(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if any(len(t) != 2 for t in targets):
         raise SystemExit("--compare takes NAME=URL pairs")
     out_dir = args.output_dir or os.path.join(
-        "benchmarks", "results", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        "benchmarks", "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     runs = []
     server = launch_server(args.base_url, extra or []) if args.launch else None
     try:

@@ -89,7 +89,7 @@ def _set_engine_threads(config: EngineConfig) -> None:
     """On CPU the engine computes on every core it may use. Measured on 2 cores (SmolLM2, bf16, bench serve
     ISL 256 / OSL 128): 2 threads against 1 gave 205 vs 143 output tok/s at c=8 and 281 vs 179 at c=32, and TTFT
     p99 at c=8 went from 2.5 s to 1.6 s; the API server's share of the CPU is small and the OS scheduler hands
-    it a core when it needs one (/health stays fast, see benchmarks/results). OMP_NUM_THREADS, when set, wins."""
+    it a core when it needs one (/health stays fast, see benchmarks/results/health-under-load.md). OMP_NUM_THREADS, when set, wins."""
     if envs.OMP_NUM_THREADS or config.device not in ("auto", "cpu"):
         return
     import torch
