@@ -202,7 +202,7 @@ def decode_steps(llm, batch: int, prompt_len: int, steps: int) -> dict:
     while len(engine.scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
                                                for r in engine.scheduler.running):
         engine.step()
-    for _ in range(3):  # warm-up (the first decode step captures the CUDA graphs)
+    for _ in range(3):  # warm-up (Triton compiles on first launch; the CUDA graphs were captured at start-up)
         engine.step()
     times = []
     for _ in range(steps):

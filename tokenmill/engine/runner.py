@@ -84,11 +84,15 @@ class ModelRunner:
                            torch.zeros(v_shape, dtype=self.kv_dtype, device=self.device), self.kv_scales[i])
                           for i in range(layers)]
         self.backend.calibrating = needs_calibration(config.kv_cache_dtype, config.calculate_kv_scales)
-        self.graphs = None  # captured at the first decode-only step, once the KV scales are set
+        self.graphs = None
         if use_graphs:
             buffers = DecodeInputBuffers(graph_sizes[-1], -(-max_model_len // self.block_size), self.block_size,
                                          self.num_blocks, self.device)
             self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, self.backend, graph_sizes, buffers)
+            # captured at start-up, as vLLM does, so that no request waits for it; a one-byte KV cache whose
+            # scales the first forward pass sets is captured right after that pass (execute)
+            if not self.backend.calibrating:
+                self.graphs.capture()
         logger.info("KV cache: dtype %s (%s), %d bytes per token, %d blocks of %d tokens = %d tokens, %.2f GiB",
                     config.kv_cache_dtype, str(self.kv_dtype).removeprefix("torch."),
                     self._block_bytes() // self.block_size, self.num_blocks, self.block_size,
@@ -185,16 +189,16 @@ class ModelRunner:
         if self.lora is not None:  # which slot each token's adapter is in; none: the model's base path
             self.lora.prepare(order, query_lens)
         hidden = None
-        if self.graphs is not None and meta.num_decodes == len(order) and not verifying:
-            if not self.graphs.graphs and not self.backend.calibrating:
-                self.graphs.capture()
-            hidden = self.graphs.run(input_ids, meta) if self.graphs.graphs else None
+        if self.graphs is not None and self.graphs.graphs and meta.num_decodes == len(order) and not verifying:
+            hidden = self.graphs.run(input_ids, meta)  # None: no captured size holds the batch
         if hidden is None:
             hidden = self.model(input_ids, self.kv_caches, meta, self.backend)
         if self.backend.calibrating:  # that was the first forward pass: the KV scales are set for good
             self.backend.calibrating = False
             logger.info("KV cache scales from the first step's %d tokens: K %.3g..%.3g, V %.3g..%.3g",
                         input_ids.shape[0], *self.kv_scales[:, 0].aminmax(), *self.kv_scales[:, 1].aminmax())
+            if self.graphs is not None:
+                self.graphs.capture()
         out = RunnerOutput({}, {}, {})
         if sampling or verifying:  # one lm_head call for the sampled rows and the verified ones
             rows = logits_rows + verify_rows
