@@ -24,10 +24,7 @@ from torch import nn
 
 from tokenmill.models.attention import AttentionMetadata
 from tokenmill.models.linear import Linear
-from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, RotaryEmbedding
-
-SLIDING, FULL = "sliding_attention", "full_attention"
-
+from tokenmill.models.llama import FULL, MLP, SLIDING, Attention, LlamaForCausalLM, RMSNorm, RotaryEmbedding
 
 def layer_types(config) -> list[str]:
     """HF's layer_types, or the older sliding_window_pattern (every n-th layer global)."""
@@ -58,14 +55,8 @@ class GeGLU(MLP):
 class Gemma3Attention(Attention):
     def __init__(self, config, sliding_window: int | None):
         super().__init__(config, qkv_bias=bool(config.attention_bias), o_bias=bool(config.attention_bias),
-                         qk_norm=True)
+                         qk_norm=True, sliding_window=sliding_window)
         self.scale = config.query_pre_attn_scalar ** -0.5
-        self.sliding_window = sliding_window
-
-    def forward(self, x, kv_cache, meta: AttentionMetadata, backend, rope=None) -> torch.Tensor:
-        out = backend.forward(self, self.qkv_proj(x), kv_cache, meta, sliding_window=self.sliding_window,
-                              rope=rope)
-        return self.o_proj(out.view(-1, self.q_size))
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -56,6 +56,9 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](config)
 
 
+# HF's layer_types: a layer attends within its sliding window, or to every key
+SLIDING, FULL = "sliding_attention", "full_attention"
+
 # rope types whose HF tables change with the sequence length: up to this length (a config field) they are the
 # static tables rope_inv_freq computes; beyond it HF recomputes them per forward pass
 LENGTH_DEPENDENT_ROPE = {"dynamic": "max_position_embeddings", "longrope": "original_max_position_embeddings"}
@@ -87,7 +90,7 @@ def check_config(config, max_positions: int, arch: str) -> None:
             raise ValueError(f"{arch}: rope_parameters.rope_type {rope_type!r} changes its tables beyond {limit_field}"
                              f"={limit} tokens, which tokenmill does not implement; serve with --max-model-len "
                              f"{limit} or less (asked for {max_positions})")
-    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    kinds = set(getattr(config, "layer_types", None) or ()) - {FULL, SLIDING}
     if kinds:
         refuse("layer_types", f"names {sorted(kinds)}")
 
@@ -101,8 +104,8 @@ def layer_windows(config, every_layer: bool) -> list[int | None]:
         return [None] * config.num_hidden_layers
     if every_layer:
         return [window] * config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return [window if t == "sliding_attention" else None for t in types]
+    types = getattr(config, "layer_types", None) or [FULL] * config.num_hidden_layers
+    return [window if t == SLIDING else None for t in types]
 
 
 class RotaryEmbedding(nn.Module):
@@ -133,9 +136,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, x, kv_cache, meta: AttentionMetadata, backend, rope=None) -> torch.Tensor:
+        """rope: this layer's RotaryEmbedding where layers differ (Gemma 3); None: the model's (meta.rope)."""
         # norms, RoPE, cache write, attention
-        out = backend.forward(self, self.qkv_proj(x), kv_cache, meta, sliding_window=self.sliding_window)
+        out = backend.forward(self, self.qkv_proj(x), kv_cache, meta, sliding_window=self.sliding_window,
+                              rope=rope)
         return self.o_proj(out.view(-1, self.q_size))
 
 
