@@ -38,6 +38,8 @@ ENVIRONMENT_VARIABLES: dict[str, Callable[[], object]] = {
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": lambda: os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
     "OTEL_EXPORTER_OTLP_ENDPOINT": lambda: os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
     "OTEL_SERVICE_NAME": lambda: os.environ.get("OTEL_SERVICE_NAME", "tokenmill"),
+    # Triton's own: "1" runs its kernels on the CPU through its interpreter (the tests of kernels/triton/)
+    "TRITON_INTERPRET": lambda: os.environ.get("TRITON_INTERPRET") == "1",
 }
 
 

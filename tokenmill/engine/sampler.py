@@ -33,12 +33,12 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[in
     ranks = (logprobs > chosen).sum(1, keepdim=True) + 1
     kmax = max(ks)
     top_vals, top_ids = logprobs.topk(kmax, dim=1) if kmax else (logprobs[:, :0], token_ids[:, None][:, :0])
-    # one device-to-host copy for all of it: float64 holds the float32 values and the ids exactly
-    rows = torch.cat([token_ids[:, None], ranks, top_ids], 1).double()
-    rows = torch.cat([rows, chosen.double(), top_vals.double()], 1).tolist()
+    # one device-to-host copy for all of it: float64 holds the float32 values and the ids exactly. A row is
+    # [token, rank, logprob, top ids (k), top logprobs (k)]
     k = top_ids.shape[1]
-    return [TokenLogprobs(int(r[0]), r[2 + k], int(r[1]), [int(t) for t in r[2:2 + ks[i]]], r[3 + k:3 + k + ks[i]])
-            for i, r in enumerate(rows)]
+    rows = torch.cat([t.double() for t in (token_ids[:, None], ranks, chosen, top_ids, top_vals)], 1).tolist()
+    return [TokenLogprobs(int(r[0]), r[2], int(r[1]), [int(t) for t in r[3:3 + n]], r[3 + k:3 + k + n])
+            for r, n in zip(rows, ks)]
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

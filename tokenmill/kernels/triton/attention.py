@@ -23,12 +23,11 @@ tl.load/tl.store, tl.where, tl.exp, tl.max/tl.sum. With TRITON_INTERPRET=1 (read
 they run on CPU tensors; tests/test_triton_attention.py checks them that way against the torch reference."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill import envs
 from tokenmill.models.kv_quant import is_one_byte
 
 
@@ -193,7 +192,7 @@ def _decode_reduce_kernel(out_ptr, mid_o_ptr, mid_lse_ptr, head_dim, num_splits,
              mask=offs_d < head_dim)
 
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as triton.jit does
+INTERPRETED = envs.TRITON_INTERPRET  # read at import, as triton.jit does
 
 
 def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
