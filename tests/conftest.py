@@ -106,16 +106,12 @@ def shared_tiny_llm(tokenizer, tmp_path_factory):
     for the engine mechanics that need no real weights (seeds, n, max_tokens, stop strings and ids, EOS, metrics,
     prompt forms): a step takes milliseconds. Its weights are wide enough (initializer range 0.5) that its greedy
     text is varied gibberish, not one token repeated, which is what the stop-string tests need."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers import save_tiny_llama
 
     from tokenmill import LLM
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
-                         initializer_range=0.5, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
     path = tmp_path_factory.mktemp("tiny-llama-default-tokenizer")
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    save_tiny_llama(path, vocab_size=len(tokenizer), max_position_embeddings=512, initializer_range=0.5,
+                    tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     tokenizer.save_pretrained(path)
     return LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
 

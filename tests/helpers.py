@@ -345,6 +345,18 @@ def reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, windo
     return out
 
 
+def save_tiny_llama(out_dir, **kw) -> None:
+    """A tiny random Llama (2 layers, hidden 64, 4 query and 2 KV heads; kw: other config fields), seeded, saved
+    as safetensors: the engine mechanics run on it in milliseconds a step."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2), **kw})
+    LlamaForCausalLM(config).save_pretrained(out_dir, safe_serialization=True)
+
+
 def tiny_config(arch: str, vocab_size: int, **kw):
     import transformers
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

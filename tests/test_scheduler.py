@@ -248,14 +248,9 @@ def test_prefix_hit_skips_cached_tokens():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    from helpers import save_tiny_llama
     path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    save_tiny_llama(path, vocab_size=128, max_position_embeddings=64)
     return str(path)
 
 
