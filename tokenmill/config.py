@@ -272,8 +272,8 @@ class EngineConfig(CliConfig):
                 "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' (a smaller model "
                 "with the target's tokenizer; optional \"quantization\"); draft lengths adapt to each request's acceptance and the batch size unless \"adaptive\": false "
                 "(tokenmill/engine/spec_decode/)"})
+    # parsed in __post_init__, not by argparse, so that a refused backend's message reaches the user as it is
     structured_outputs_config: StructuredOutputsConfig | None = field(default=None, metadata={
-        "type": StructuredOutputsConfig.parse,
         "help": "vLLM's JSON, '{\"backend\": \"xgrammar\"}', or --structured-outputs-config.backend xgrammar: "
                 "auto and xgrammar are served (xgrammar); guidance, outlines and lm-format-enforcer are refused"})
     enable_lora: bool = field(default=False, metadata={
