@@ -261,3 +261,34 @@ def test_llamacpp_choices_are_near_ties_teacher_forced(engines):
     # kept quantized (0.219) and dequantized (0.220; the torch emulation finds 0.22 too); Sapphire Rapids: the same
     # largest gaps (bf16 0.250 exactly: two bf16 steps)
     assert all(g <= NEAR_TIE for per_case in gaps.values() for case in per_case for g in case)
+
+
+def test_quantized_flag_that_cannot_be_served_fails_the_start(monkeypatch):
+    """Where the quantized kernels cannot run, a quantized --quantization is a start-up error naming the dense path
+    that would run, instead of dense weights and a log line; --quantization none asks for that path."""
+    from tokenmill import kernels
+    from tokenmill.models.quantization import quantization_kernels
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with pytest.raises(ValueError, match=r"--quantization int8: .* on cuda in bfloat16 \(the quantized kernels are "
+                                         r"CPU kernels\); what would run is dense bfloat16 weights.*--quantization none"):
+        quantization_kernels("int8", False, torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match=r"--quantization int4: .* on cpu in float16 \(they run in float32"):
+        quantization_kernels("int4", False, torch.float16, cpu)
+    with pytest.raises(ValueError, match=r"--quantization auto: .*\(the GGUF dequantized at load\)"):
+        quantization_kernels("auto", True, torch.bfloat16, cuda, gguf_has_quantized=True)
+    monkeypatch.setattr(kernels, "cpu_ops", lambda: None)  # TOKENMILL_CPU_ISA=none, or a failed build
+    with pytest.raises(ValueError, match=r"--quantization gguf: .*the CPU kernels are off"):
+        quantization_kernels("gguf", True, torch.float32, cpu)
+    assert quantization_kernels("none", True, torch.float32, cpu) is None
+    assert quantization_kernels("auto", True, torch.float32, cpu, gguf_has_quantized=False) is None  # nothing to keep
+    assert quantization_kernels("auto", False, torch.bfloat16, cuda) is None  # an HF model stays as it is
+
+
+def test_quantized_flag_on_float16_fails_the_engine_start(tmp_path):
+    from helpers import save_tiny_llama
+
+    from tokenmill import LLM
+    save_tiny_llama(tmp_path, vocab_size=256)
+    with pytest.raises(ValueError, match="--quantization int8: .*pass --quantization none"):
+        LLM(str(tmp_path), device="cpu", dtype="float16", quantization="int8", kv_cache_memory="16MiB",
+            max_model_len=64)

@@ -8,6 +8,8 @@ import argparse
 import importlib
 import sys
 
+from tokenmill.json_flag import fold_dotted_json_flags
+
 # (name, help, module, entry point); the module has add_cli_args(parser)
 SERVE = ("serve", "serve a model behind the OpenAI API", "tokenmill.server.launch", "run_from_cli")
 ROUTER = ("router", "an OpenAI-compatible gateway over several replicas, routing on their KV caches",
@@ -32,13 +34,19 @@ def _attach(parser: argparse.ArgumentParser, module_name: str, entry: str) -> No
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference server")
+    try:
+        argv = fold_dotted_json_flags(argv)  # --structured-outputs-config.backend X, as vLLM spells it
+    except ValueError as e:
+        parser.error(str(e))
     sub = parser.add_subparsers(dest="command", required=True)
 
+    chosen = None
     for name, help_, module, entry in (SERVE, ROUTER, SERVE_RAY):
         # serve-ray: unknown flags go to `tokenmill serve` whole, so no abbreviations
         parser_ = sub.add_parser(name, help=help_, allow_abbrev=name != "serve-ray")
         if argv[:1] == [name]:
             _attach(parser_, module, entry)
+            chosen = parser_
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     for name, help_, module, entry in BENCHES:
@@ -49,6 +57,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # Only `bench serve --launch` and `serve-ray` take flags they do not know: they are passed to `tokenmill serve`.
     args, extra = parser.parse_known_args(argv)
+    if getattr(args, "config", None) and args.command == "serve":
+        # vLLM's --config FILE.yaml: the file's flags first, so that the command line's override them
+        from tokenmill.api.server_config import config_file_args
+        try:
+            from_file = config_file_args(args.config, set(chosen._option_string_actions), args.model_tag is not None)
+        except ValueError as e:
+            chosen.error(str(e))
+        # after a leading positional model, which a list flag of the file (--served-model-name a b) would swallow
+        at = 2 if argv[1:2] == [args.model_tag] else 1
+        args, extra = parser.parse_known_args(argv[:at] + from_file + argv[at:])
     if args.command == "serve-ray" or args.command == "bench" and args.bench_command == "serve":
         return args.func(args, extra) or 0
     if extra:

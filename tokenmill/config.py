@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -26,8 +27,10 @@ class CliConfig:
                 continue
             flag = "--" + f.name.replace("_", "-")
             help_ = f.metadata.get("help", "")
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=help_)
+                for alias in f.metadata.get("negative_aliases", ()):  # vLLM's older --disable-X spellings
+                    parser.add_argument(alias, dest=f.name, action="store_false", help=f"same as --no-{flag[2:]}")
                 continue
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             kind = f.metadata.get("type") or {"int": int, "int | None": int, "float": float,
@@ -146,6 +149,37 @@ class SpeculativeConfig:
         return parse_json_flag(cls, "--speculative-config", value)
 
 
+# --structured-outputs-config (or vLLM's dotted --structured-outputs-config.backend NAME): the grammar backend.
+# tokenmill has xgrammar; vLLM's auto picks it first too.
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+UNAVAILABLE_STRUCTURED_OUTPUT_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.backend in UNAVAILABLE_STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"--structured-outputs-config: backend {self.backend!r} is not available; tokenmill "
+                             "constrains decoding with xgrammar (backend xgrammar or auto)")
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"--structured-outputs-config: backend must be one of "
+                             f"{list(STRUCTURED_OUTPUT_BACKENDS + UNAVAILABLE_STRUCTURED_OUTPUT_BACKENDS)}, "
+                             f"got {self.backend!r}")
+
+    @classmethod
+    def parse(cls, value) -> StructuredOutputsConfig | None:
+        return parse_json_flag(cls, "--structured-outputs-config", value)
+
+
+# --load-format: vLLM's values. tokenmill reads safetensors and GGUF only and never unpickles (pt, npcache).
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+
+# --dtype: vLLM's names, half and float being its aliases of float16 and float32.
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+
+
 @dataclass
 class EngineConfig(CliConfig):
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF directory, GGUF file, or SmolLM2-135M-Instruct"})
@@ -153,19 +187,39 @@ class EngineConfig(CliConfig):
     runner: str = field(default="auto", metadata={
         "help": "generate (text) | pooling (embeddings, score, rerank) | auto (pooling for encoders such as "
                 "BertModel, else generate)", "choices": ["auto", "generate", "pooling"]})
-    dtype: str = field(default="auto", metadata={"help": "auto|bfloat16|float16|float32",
-                                                  "choices": ["auto", "bfloat16", "float16", "float32"]})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto|bfloat16|float16 (= half)|float32 (= float); auto: bfloat16 on CUDA and on CPUs with fast bf16, "
+                "else float32 (tokenmill/models/loader.py resolve_dtype)", "choices": list(DTYPE_NAMES)})
     device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})
     quantization: str = field(default="auto", metadata={
         "help": "weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized, other types are dequantized; an HF "
                 "model stays as it is) | none (dequantize everything to --dtype) | gguf (auto, but only for a GGUF) | "
                 "int8 (symmetric, per block of 32) | int4 (group-wise, group 32, with a min): quantized at load",
         "choices": ["auto", "none", "gguf", "int8", "int4"]})
+    load_format: str = field(default="auto", metadata={
+        "help": "auto | safetensors (an HF directory) | gguf (a GGUF file); vLLM's other formats are refused: "
+                "tokenmill never unpickles weights"})
+    download_dir: str | None = field(default=None, metadata={
+        "help": "a Hugging Face cache directory to find --model in, when --model is a repo id (org/name): its "
+                "models--org--name/snapshots/ revision; nothing is ever downloaded"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "let transformers run code shipped with the checkpoint for its config and tokenizer (the model's "
+                "forward pass is always tokenmill's own)"})
+    hf_overrides: dict | None = field(default=None, metadata={
+        "type": json.loads, "help": "a JSON object merged into the model's HF config (nested objects merged key by "
+                                    "key), e.g. '{\"max_position_embeddings\": 4096}'"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "default sampling parameters of requests that do not set them: auto (the model directory's "
+                "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
+                "max_tokens), vllm (none: vLLM's own defaults), or a directory holding a generation_config.json"})
     seed: int = field(default=0, metadata={"help": "seed for unseeded sampling"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_memory: str = field(default="auto", metadata={
         "help": "KV pool size: bytes ('4GiB', '512MiB'), a fraction of free memory ('0.3'), or auto"})
+    gpu_memory_utilization: float | None = field(default=None, metadata={
+        "help": "CUDA: the fraction of the GPU's total memory this server may fill (weights, activations and the KV "
+                "pool, which gets what is left up to it); instead of --kv-cache-memory. Refused on the CPU"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache element: auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e5m2 | int8: one byte, so "
                 "twice the tokens of bf16 in the same memory (scales: tokenmill/models/kv_quant.py)",
@@ -179,6 +233,11 @@ class EngineConfig(CliConfig):
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": "token budget of one step (default: 512 on CPU, so a prefill chunk stalls running decodes for "
                 "~0.3 s rather than over a second; 2048 on CUDA)"})
+    enable_chunked_prefill: bool | None = field(default=None, metadata={
+        "help": "always on (a prompt longer than the step's token budget is prefilled in chunks); "
+                "--no-enable-chunked-prefill is refused"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "tokenmill runs a model on one device: only 1 is accepted"})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs|priority", "choices": ["fcfs", "priority"]})
     attention_backend: str = field(default="auto", metadata={
         "help": "auto (tokenmill's CPU kernels where they serve, the Triton kernels on CUDA, else torch_sdpa) | cpu | "
@@ -213,6 +272,10 @@ class EngineConfig(CliConfig):
                 "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' (a smaller model "
                 "with the target's tokenizer; optional \"quantization\"); draft lengths adapt to each request's acceptance and the batch size unless \"adaptive\": false "
                 "(tokenmill/engine/spec_decode/)"})
+    # parsed in __post_init__, not by argparse, so that a refused backend's message reaches the user as it is
+    structured_outputs_config: StructuredOutputsConfig | None = field(default=None, metadata={
+        "help": "vLLM's JSON, '{\"backend\": \"xgrammar\"}', or --structured-outputs-config.backend xgrammar: "
+                "auto and xgrammar are served (xgrammar); guidance, outlines and lm-format-enforcer are refused"})
     enable_lora: bool = field(default=False, metadata={
         "help": "serve LoRA adapters (PEFT directories) beside the base model, in the same batches (tokenmill/lora/)"})
     max_loras: int = field(default=1, metadata={"help": "LoRA adapters one step can compute with (slots)"})
@@ -222,6 +285,27 @@ class EngineConfig(CliConfig):
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # LLM(...) may pass a dict
+        self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"--dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format {self.load_format!r} is not supported: tokenmill loads "
+                             f"{', '.join(LOAD_FORMATS)} (safetensors from an HF directory, or a GGUF file) and never "
+                             "unpickles weights")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: tokenmill runs a model on one "
+                             "device and has no tensor parallelism; run several replicas behind `tokenmill router` "
+                             "instead")
+        if self.enable_chunked_prefill is False:
+            raise ValueError("--no-enable-chunked-prefill: tokenmill always chunks a prefill longer than "
+                             "--max-num-batched-tokens; raise that flag to prefill longer prompts in one step")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            if self.kv_cache_memory != "auto":
+                raise ValueError("give --gpu-memory-utilization or --kv-cache-memory, not both")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"--hf-overrides takes a JSON object, got {self.hf_overrides!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1) or self.max_num_seqs < 1:

@@ -20,7 +20,7 @@ logger = logging.getLogger("tokenmill.tokenizer")
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def _load_directory(path: str):
+def _load_directory(path: str, trust_remote_code: bool = False):
     try:
         with open(os.path.join(path, "tokenizer_config.json")) as f:
             tokenizer_class = json.load(f).get("tokenizer_class")
@@ -30,7 +30,7 @@ def _load_directory(path: str):
         from transformers import PreTrainedTokenizerFast
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
 
 
 def _with_gguf_chat_template(tok, model_path: str):
@@ -39,11 +39,12 @@ def _with_gguf_chat_template(tok, model_path: str):
     return tok
 
 
-def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None, trust_remote_code: bool = False):
+    """trust_remote_code (--trust-remote-code): a directory's tokenizer may be a class shipped as code beside it."""
     if tokenizer_path:
-        return _load_directory(tokenizer_path)
+        return _load_directory(tokenizer_path, trust_remote_code)
     if os.path.isdir(model_path):
-        return _load_directory(model_path)
+        return _load_directory(model_path, trust_remote_code)
     # Building a tokenizer from GGUF metadata takes ~10 s; keep the converted one, keyed by the file's identity.
     st = os.stat(model_path)
     key = hashlib.sha256(f"{os.path.abspath(model_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]

@@ -3,26 +3,43 @@ request's prompt with it, the router the same prompt to predict its replica's pr
 from __future__ import annotations
 
 import json
+import re
 
 from tokenmill.api.chat_protocol import ChatMessage
 from tokenmill.sampling_params import ParamError
 from tokenmill.tokenizer import encode
 
 
-def _content_text(message: ChatMessage, i: int) -> str:
-    """A message's content as one string: a string as is, text parts joined by newlines."""
+def _content_texts(message: ChatMessage, i: int) -> list[str]:
     content = message.content
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     texts = []
     for part in content:
         if part.type != "text" or part.text is None:
             raise ParamError(f"messages[{i}].content: only parts of type 'text' are supported, got {part.type!r}",
                              "messages")
         texts.append(part.text)
-    return "\n".join(texts)
+    return texts
+
+
+def _content_text(message: ChatMessage, i: int) -> str:
+    """A message's content as one string: a string as is, text parts joined by newlines."""
+    return "\n".join(_content_texts(message, i))
+
+
+# A template that loops over a message's content, `{% for part in message['content'] %}` (or message.content), expects
+# OpenAI's list of parts: vLLM's test for --chat-template-content-format auto.
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\.content\b|\[\s*['\"]content['\"]\s*\])")
+
+
+def content_format(template: str, flag: str = "auto") -> str:
+    """--chat-template-content-format: string | openai, auto deciding by the template."""
+    if flag != "auto":
+        return flag
+    return "openai" if _LOOPS_OVER_CONTENT.search(template or "") else "string"
 
 
 def _arguments_as_objects(tool_calls: list[dict]) -> list[dict]:
@@ -40,17 +57,21 @@ def _arguments_as_objects(tool_calls: list[dict]) -> list[dict]:
     return out
 
 
-def to_template_messages(tokenizer, messages: list[ChatMessage]) -> list[dict]:
+def to_template_messages(tokenizer, messages: list[ChatMessage], content_format_flag: str = "auto") -> list[dict]:
     """Validated, plain-dict messages for apply_chat_template. 'developer' becomes 'system' for templates that
-    do not know it."""
+    do not know it. Content is a string, or (content format openai) a list of {"type": "text", "text"} parts, a
+    string content becoming one part, as vLLM passes it."""
     if not messages:
         raise ParamError("messages must contain at least one message", "messages")
     template = getattr(tokenizer, "chat_template", None) or ""
     map_developer = "developer" not in template
+    as_parts = content_format(template, content_format_flag) == "openai"
     out = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" and map_developer else m.role
-        msg = {"role": role, "content": _content_text(m, i)}
+        content = ([{"type": "text", "text": t} for t in _content_texts(m, i)] if as_parts
+                   else _content_text(m, i))
+        msg = {"role": role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls is not None:
@@ -63,12 +84,13 @@ def to_template_messages(tokenizer, messages: list[ChatMessage]) -> list[dict]:
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                tools: list[dict] | None = None) -> tuple[str, list[int]]:
-    """The prompt text and its token ids (the template writes the special tokens, so none are added)."""
+                tools: list[dict] | None = None, content_format_flag: str = "auto") -> tuple[str, list[int]]:
+    """The prompt text and its token ids (the template writes the special tokens, so none are added).
+    content_format_flag: --chat-template-content-format."""
     if continue_final_message and add_generation_prompt:
         raise ParamError("continue_final_message and add_generation_prompt cannot both be true; set "
                          "add_generation_prompt to false to continue the final message", "continue_final_message")
-    conversation = to_template_messages(tokenizer, messages)
+    conversation = to_template_messages(tokenizer, messages, content_format_flag)
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise ParamError("continue_final_message needs an assistant message last", "continue_final_message")
     if not getattr(tokenizer, "chat_template", None):

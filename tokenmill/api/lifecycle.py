@@ -107,6 +107,9 @@ class LifecycleApp:
         if scope["type"] != "http":
             return
         lc, path = self.lifecycle, scope["path"]
+        root = scope.get("root_path", "")  # --root-path: uvicorn puts it in front of the path, as Starlette strips
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
         if path.startswith("/health") and path in CONTROL_PATHS and scope["method"] != "GET":
             return await _plain(send, 405, b"", [(b"allow", b"GET")])  # as FastAPI answers for its routes
         if path == "/health/live":  # liveness: the process answers

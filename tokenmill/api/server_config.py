@@ -30,6 +30,24 @@ class ServerConfig(CliConfig):
     allowed_headers: list[str] = field(default_factory=lambda: ["*"], metadata={
         "type": json.loads, "help": "CORS headers, a JSON list"})
     allow_credentials: bool = field(default=False, metadata={"help": "CORS: allow credentials"})
+    config: str | None = field(default=None, metadata={
+        "help": "a YAML file of flags, vLLM's --config: each key a flag's name (port: 8000, enforce-eager: true), "
+                "and flags given on the command line override the file's"})
+    ssl_keyfile: str | None = field(default=None, metadata={"help": "serve HTTPS: the private key file"})
+    ssl_certfile: str | None = field(default=None, metadata={"help": "serve HTTPS: the certificate file"})
+    root_path: str | None = field(default=None, metadata={
+        "help": "the path prefix a proxy serves this app under (ASGI root_path: OpenAPI's servers and /docs use it)"})
+    disable_fastapi_docs: bool = field(default=False, metadata={"help": "no /docs, /redoc or /openapi.json"})
+    enable_log_requests: bool = field(default=False, metadata={
+        "negative_aliases": ("--disable-log-requests",),
+        "help": "log each generation request as it arrives: its id, sampling parameters and prompt length"})
+    response_role: str = field(default="assistant", metadata={
+        "help": "the role of chat responses to requests with add_generation_prompt (otherwise the last message's)"})
+    chat_template_content_format: str = field(default="auto", metadata={
+        "choices": ["auto", "string", "openai"],
+        "help": "how a message's content reaches the chat template: string (text parts joined by newlines), openai "
+                "(the list of {type: text, text} parts), auto (openai when the template loops over content parts, "
+                "else string)"})
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template to use instead of the model's: a file, a shipped name "
                 f"({', '.join(sorted(SHIPPED_TEMPLATES))}), or the template text itself"})
@@ -78,6 +96,8 @@ class ServerConfig(CliConfig):
             raise ValueError("--max-n must be at least 1")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
 
     @property
     def auto_tool_call_parser(self) -> str | None:
@@ -90,3 +110,37 @@ def add_serve_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     EngineConfig.add_cli_args(parser)
     ServerConfig.add_cli_args(parser)
+
+
+def config_file_args(path: str, known_flags: set[str], cli_gives_model: bool) -> list[str]:
+    """--config FILE.yaml as flags to put before the command line's (vLLM's rule: where both give a flag, the
+    command line's wins, argparse keeping the last value). Keys are flag names, dashes or underscores; true gives
+    `--flag`, false `--no-flag` (or nothing for a flag without that form, such as --disable-log-requests), a list
+    its items, an object its JSON. `model` is the model unless the command line names one."""
+    import yaml
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: the file must be a mapping of flag names to values")
+    args: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config":
+            raise ValueError(f"--config {path}: a config file cannot name another one")
+        if flag not in known_flags:
+            raise ValueError(f"--config {path}: unknown flag {key!r}")
+        if value is None or (flag == "--model" and cli_gives_model):
+            continue
+        if isinstance(value, bool):
+            negative = "--no-" + flag[2:]
+            args += [flag] if value else [negative] if negative in known_flags else []
+        elif isinstance(value, list):
+            args += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args

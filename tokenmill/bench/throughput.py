@@ -64,7 +64,7 @@ def run_hf(config: EngineConfig, prompts, output_len: int, batch_size: int, dtyp
     from tokenmill.engine.runner import resolve_device
     from tokenmill.models.paths import resolve_model_path
     device = resolve_device(config.device)  # the engine's device: the same GPU when it runs on one
-    path = resolve_model_path(config.model)
+    path = resolve_model_path(config.model, config.download_dir)
     if path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                      dtype=torch.float32).to(dtype)
@@ -94,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
     from tokenmill.engine.runner import resolve_device
     from tokenmill.models.loader import load_model_config, resolve_dtype
     from tokenmill.models.paths import resolve_model_path
-    info = load_model_config(resolve_model_path(config.model))
+    info = load_model_config(resolve_model_path(config.model, config.download_dir), config.load_format,
+                             config.trust_remote_code, config.hf_overrides)
     prompts = random_prompts(args.num_prompts, args.input_len, info.hf_config.vocab_size, config.seed)
     dtype = resolve_dtype(config.dtype, info.hf_config, resolve_device(config.device))
     print(f"model {info.path}, dtype {dtype}, {args.num_prompts} prompts x ({args.input_len} in, "

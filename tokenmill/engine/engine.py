@@ -43,7 +43,8 @@ def default_max_num_batched_tokens(device) -> int:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_info = load_model_config(resolve_model_path(config.model))
+        self.model_info = load_model_config(resolve_model_path(config.model, config.download_dir), config.load_format,
+                                            config.trust_remote_code, config.hf_overrides)
         model_len = getattr(self.model_info.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = config.max_model_len or model_len
         self.runner_type = resolve_runner(config.runner, self.model_info.architecture)
@@ -72,7 +73,7 @@ class EngineCore:
         self.num_steps = 0
         self.last_step_tokens = 0
         path, tokenizer = self.model_info.path, config.tokenizer
-        get_tokenizer = functools.cache(lambda: load_tokenizer(path, tokenizer))
+        get_tokenizer = functools.cache(lambda: load_tokenizer(path, tokenizer, config.trust_remote_code))
         self.structured = StructuredOutputManager(get_tokenizer, self.runner.vocab_size)
         self.reasoning = config.reasoning
         if self.reasoning is not None:

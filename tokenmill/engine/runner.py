@@ -46,9 +46,27 @@ def resolve_device(name: str) -> torch.device:
 def runner_device(config: EngineConfig) -> torch.device:
     """The device a runner computes on; on the CPU, with the allocator set up for steps (above)."""
     device = resolve_device(config.device)
+    if config.gpu_memory_utilization is not None and device.type != "cuda":
+        raise ValueError("--gpu-memory-utilization sizes the KV cache on CUDA; on the CPU use --kv-cache-memory")
     if device.type == "cpu":
         keep_freed_memory_in_process()
     return device
+
+
+def kv_budget(config: EngineConfig, device_type: str, free: int, total: int) -> int:
+    """The KV pool's bytes, with free and total memory measured after the weights loaded. --gpu-memory-utilization
+    (vLLM's meaning): the pool takes what is left of that fraction of the GPU's total memory once everything already
+    resident is counted."""
+    if config.gpu_memory_utilization is not None:  # CUDA only: runner_device refuses it elsewhere
+        budget = int(config.gpu_memory_utilization * total) - (total - free)
+        if budget <= 0:
+            raise ValueError(f"--gpu-memory-utilization {config.gpu_memory_utilization}: {(total - free) / 2**30:.2f} "
+                             f"GiB of the GPU's {total / 2**30:.2f} GiB are already in use, which leaves no room for "
+                             "the KV cache; raise it")
+        return budget
+    if config.kv_cache_memory == "auto":
+        return int(0.8 * free) if device_type == "cuda" else min(CPU_DEFAULT_KV_BYTES, int(0.3 * free))
+    return parse_memory(config.kv_cache_memory, free)
 
 
 class ModelRunner:
@@ -106,14 +124,10 @@ class ModelRunner:
         if self.config.num_gpu_blocks_override:
             return self.config.num_gpu_blocks_override
         if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
+            free, total = torch.cuda.mem_get_info(self.device)
         else:
-            free = psutil.virtual_memory().available
-        if self.config.kv_cache_memory == "auto":
-            budget = int(0.8 * free) if self.device.type == "cuda" else min(CPU_DEFAULT_KV_BYTES, int(0.3 * free))
-        else:
-            budget = parse_memory(self.config.kv_cache_memory, free)
-        num_blocks = budget // self._block_bytes()
+            free, total = psutil.virtual_memory().available, psutil.virtual_memory().total
+        num_blocks = kv_budget(self.config, self.device.type, free, total) // self._block_bytes()
         # More than every sequence at full length can never be used.
         useful = self.config.max_num_seqs * -(-max_model_len // self.block_size)
         num_blocks = min(num_blocks, useful)

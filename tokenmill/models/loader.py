@@ -20,6 +20,7 @@ from tokenmill.models.linear import Linear
 from tokenmill.models.llama import RotaryEmbedding
 from tokenmill.models.quantization import (
     BLOCK,
+    GGUF_KEPT_TYPES,
     QuantizedEmbedding,
     QuantizedWeight,
     attach_kernels,
@@ -31,7 +32,8 @@ from tokenmill.models.registry import resolve_architecture
 
 logger = logging.getLogger("tokenmill.loader")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "half": torch.float16, "float": torch.float32}  # vLLM's aliases
 
 
 @dataclass
@@ -46,15 +48,36 @@ class ModelInfo:
     eos_token_ids: frozenset[int] = frozenset()
 
 
-def load_model_config(model_path: str) -> ModelInfo:
-    if model_path.endswith(".gguf"):
+def load_model_config(model_path: str, load_format: str = "auto", trust_remote_code: bool = False,
+                      hf_overrides: dict | None = None) -> ModelInfo:
+    """load_format, trust_remote_code, hf_overrides: the flags (tokenmill/config.py EngineConfig)."""
+    is_gguf = model_path.endswith(".gguf")
+    if load_format != "auto" and load_format != ("gguf" if is_gguf else "safetensors"):
+        raise ValueError(f"--load-format {load_format} does not match the model {model_path!r}, which is "
+                         f"{'a GGUF file' if is_gguf else 'an HF directory (safetensors)'}")
+    if is_gguf:
         from tokenmill.gguf_file import gguf_reader
         from tokenmill.models.gguf_loader import gguf_config, gguf_eos_token_ids
         reader = gguf_reader(model_path)
         config, arch = gguf_config(reader)
+        apply_hf_overrides(config, hf_overrides)
         return ModelInfo(model_path, config, config.architectures[0], arch, gguf_eos_token_ids(reader))
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True, trust_remote_code=trust_remote_code)
+    apply_hf_overrides(config, hf_overrides)
     return ModelInfo(model_path, config, resolve_architecture(config)[0], None, generation_eos_token_ids(model_path))
+
+
+def apply_hf_overrides(config, overrides: dict | None) -> None:
+    """--hf-overrides, vLLM's rule: each key replaces the config's attribute, except that an object given for an
+    attribute that is itself a dict (or a sub-config) is merged into it key by key."""
+    for key, value in (overrides or {}).items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, dict):
+            setattr(config, key, {**current, **value})
+        elif isinstance(value, dict) and hasattr(current, "to_dict"):  # a nested PretrainedConfig
+            apply_hf_overrides(current, value)
+        else:
+            setattr(config, key, value)
 
 
 def generation_eos_token_ids(model_dir: str) -> frozenset[int]:
@@ -126,11 +149,15 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
     with torch.device("meta"):
         model = cls(info.hf_config, max_positions, **options)
     model = model.to_empty(device=device)
-    quant_ops = quantization_kernels(quantization, info.gguf_arch is not None, dtype, device)
+    reader = None
     if info.gguf_arch:
         from tokenmill.gguf_file import gguf_reader
-        from tokenmill.models.gguf_loader import gguf_weights
         reader = gguf_reader(info.path)
+    has_quantized = reader is not None and any(len(t.shape) == 2 and t.tensor_type.name in GGUF_KEPT_TYPES
+                                               for t in reader.tensors)
+    quant_ops = quantization_kernels(quantization, info.gguf_arch is not None, dtype, device, has_quantized)
+    if reader is not None:
+        from tokenmill.models.gguf_loader import gguf_weights
         keep = quant_ops is not None and quantization in ("auto", "gguf")
         weights, total = gguf_weights(reader, info.hf_config, info.gguf_arch, keep), len(reader.tensors)
     else:

@@ -23,12 +23,38 @@ def default_model_path() -> str:
     return files[0]
 
 
-def resolve_model_path(model: str | None) -> str:
+def _is_model(path: str) -> bool:
+    return (os.path.isfile(path) and path.endswith(".gguf")) or os.path.isfile(os.path.join(path, "config.json"))
+
+
+def cached_snapshot(repo_id: str, cache_dir: str) -> str | None:
+    """--download-dir: a repo id's snapshot in a Hugging Face cache directory (models--org--name/snapshots/REV),
+    the revision refs/main names, else the only one there."""
+    repo = os.path.join(cache_dir, "models--" + repo_id.replace("/", "--"))
+    try:
+        with open(os.path.join(repo, "refs", "main")) as f:
+            revisions = [f.read().strip()]
+    except OSError:
+        revisions = sorted(os.listdir(os.path.join(repo, "snapshots"))) if os.path.isdir(repo) else []
+    if len(revisions) != 1:
+        return None
+    snapshot = os.path.join(repo, "snapshots", revisions[0])
+    return snapshot if _is_model(snapshot) else None
+
+
+def resolve_model_path(model: str | None, download_dir: str | None = None) -> str:
+    """download_dir: --download-dir, a Hugging Face cache directory searched for a repo id (vLLM downloads there;
+    tokenmill only reads what is already in it)."""
     if not model or model in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
         return default_model_path()
-    if os.path.isfile(model) and model.endswith(".gguf"):
+    if _is_model(model):
         return model
-    if os.path.isdir(model) and os.path.exists(os.path.join(model, "config.json")):
-        return model
+    if download_dir is not None:
+        snapshot = cached_snapshot(model, download_dir)
+        if snapshot is not None:
+            return snapshot
+        raise FileNotFoundError(f"model {model!r} is not in --download-dir {download_dir!r} (looked for "
+                                f"models--{model.replace('/', '--')}/snapshots/ with one revision, or refs/main, "
+                                "holding config.json; tokenmill never downloads models)")
     raise FileNotFoundError(f"model {model!r} is neither a GGUF file nor a directory with config.json "
                             "(tokenmill never downloads models)")

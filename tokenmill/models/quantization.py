@@ -12,8 +12,8 @@ Two block formats (32 weights of one output row per block) cover everything serv
 d and m are float16, as GGUF stores them, so a GGUF tensor is repacked without any rounding. The kernels
 (tokenmill/kernels/csrc/quant_linear.cpp) read the layout that `pack` makes, documented there.
 
-Where the kernels cannot run (TOKENMILL_CPU_ISA=none, CUDA), quantized GGUF tensors are dequantized at load, as
-before, and `int8`/`int4` leave the weights as they are; the start-up log says which."""
+Where the kernels cannot run (TOKENMILL_CPU_ISA=none, CUDA, float16), a quantized flag (int8, int4, gguf, or auto
+with a GGUF holding Q4_0/Q4_1/Q8_0 tensors) fails the start-up; `--quantization none` serves dense weights."""
 from __future__ import annotations
 
 import logging
@@ -171,8 +171,12 @@ def quant_linear(ops, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tens
     return out.view(*x.shape[:-1], weight.out_features)
 
 
-def quantization_kernels(quantization: str, is_gguf: bool, dtype: torch.dtype, device: torch.device):
-    """The CPU kernels that will serve weights kept quantized, or None where weights stay (or become) dense."""
+def quantization_kernels(quantization: str, is_gguf: bool, dtype: torch.dtype, device: torch.device,
+                         gguf_has_quantized: bool = True):
+    """The CPU kernels that will serve weights kept quantized, or None where weights stay (or become) dense.
+    Where quantized weights were asked for (int8, int4, gguf, or auto with a GGUF holding Q4_0/Q4_1/Q8_0 tensors:
+    gguf_has_quantized) and the kernels cannot run, this refuses to start rather than serve dense weights under a
+    quantized flag; --quantization none asks for the dense weights."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown --quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}")
     if quantization == "gguf" and not is_gguf:
@@ -181,10 +185,16 @@ def quantization_kernels(quantization: str, is_gguf: bool, dtype: torch.dtype, d
         return None
     from tokenmill.kernels import cpu_ops
     ops = cpu_ops() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
-    if ops is None:
-        logger.warning("quantization %s: no quantized kernels for %s in %s (the log says why if the CPU kernels "
-                       "are off); serving dense %s weights%s", quantization, device.type, dtype,
-                       str(dtype).removeprefix("torch."), " (the GGUF dequantized at load)" if is_gguf else "")
+    if ops is None and (quantization in ("int8", "int4") or gguf_has_quantized):
+        why = ("the quantized kernels are CPU kernels" if device.type != "cpu" else
+               "they run in float32 and bfloat16" if dtype not in (torch.float32, torch.bfloat16) else
+               "the CPU kernels are off (the log says why: TOKENMILL_CPU_ISA, or a failed build)")
+        dense = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"--quantization {quantization}: the quantized weights cannot be served on {device.type} in {dense} "
+            f"({why}); what would run is dense {dense} weights"
+            f"{' (the GGUF dequantized at load)' if is_gguf else ' (the checkpoint as it is)'}: pass "
+            "--quantization none to serve those, or run on the CPU in float32/bfloat16")
     return ops
 
 

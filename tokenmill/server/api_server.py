@@ -44,7 +44,8 @@ DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_bytes()
 
 def build_app(state: ServerState) -> FastAPI:
     config = state.config
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_fastapi_docs else {}
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, **docs)
     add_error_handlers(app)
     install_openapi(app, bool(config.api_key))
     _add_routes(app, state)

@@ -29,7 +29,8 @@ class ChatOutputParser:
     {"name", "parameters"}, enforced by a grammar) or "named" (the output is the arguments of `named_tool`)."""
 
     def __init__(self, splitter: ReasoningSplitter | None = None, include_reasoning: bool = True,
-                 tool_mode: str = "none", tool_parser=None, named_tool: str | None = None):
+                 tool_mode: str = "none", tool_parser=None, named_tool: str | None = None, role: str = "assistant"):
+        self.role = role  # the message's role (--response-role; vLLM's rule in serving_chat.response_role)
         self.splitter, self.include_reasoning = splitter, include_reasoning
         self.tool_mode, self.tool_parser, self.named_tool = tool_mode, tool_parser, named_tool
         self.reasoning: list[str] = []
@@ -77,7 +78,7 @@ class ChatOutputParser:
         content = "".join(self.content)
         if (self.tool_calls and not content.strip()) or (self.reasoning and not content):
             content = None
-        return chp.ChatResponseMessage("assistant", content, "".join(self.reasoning) if self.reasoning else None,
+        return chp.ChatResponseMessage(self.role, content, "".join(self.reasoning) if self.reasoning else None,
                                        self.tool_calls or None)
 
     # ---- routing ----

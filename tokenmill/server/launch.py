@@ -20,6 +20,7 @@ from tokenmill.chat_templates import load_chat_template
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.heap import freeze_startup_heap
 from tokenmill.logs import configure_logging
+from tokenmill.models import generation_config
 from tokenmill.models.paths import resolve_model_path
 from tokenmill.server.api_server import build_app
 from tokenmill.server.engine_client import EngineClient
@@ -92,7 +93,8 @@ async def _log_stats(metrics: ServerMetrics) -> None:
 
 async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     try:
-        model_path = resolve_model_path(engine_config.model)
+        model_path = resolve_model_path(engine_config.model, engine_config.download_dir)
+        generation_defaults = generation_config.generation_defaults(model_path, engine_config.generation_config)
         sock = _bind(config.host, config.port)
     except (FileNotFoundError, OSError) as e:
         logger.error("%s", e)
@@ -101,7 +103,9 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     root = LifecycleApp(lifecycle)
     # log_config=None: uvicorn's loggers keep our handler (text or JSON, with request ids)
     server = DrainingServer(uvicorn.Config(root, log_level=config.uvicorn_log_level, timeout_keep_alive=30,
-                                           lifespan="off", timeout_graceful_shutdown=5, log_config=None), lifecycle)
+                                           lifespan="off", timeout_graceful_shutdown=5, log_config=None,
+                                           ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                                           root_path=config.root_path or ""), lifecycle)
     client = EngineClient(engine_config)
     client.stream_stall_timeout_s = config.stream_stall_timeout
     lifecycle.engine_alive = lambda: client.dead_reason is None
@@ -110,7 +114,8 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     stats_task, state = None, None
     try:
         # The tokenizer loads here while the engine process loads the model.
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path, engine_config.tokenizer))
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path, engine_config.tokenizer,
+                                                               engine_config.trust_remote_code))
         starting = asyncio.create_task(client.start())
         await asyncio.wait([starting, http], return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():  # SIGTERM or Ctrl-C while loading
@@ -132,7 +137,8 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         if config.chat_template is not None:
             tokenizer.chat_template = config.chat_template
         state = ServerState(client, tokenizer, ready, config, engine_config.model, engine_config.reasoning,
-                            make_tracer(config.otlp_traces_endpoint, config.otlp_traces_include_text))
+                            make_tracer(config.otlp_traces_endpoint, config.otlp_traces_include_text),
+                            generation_defaults)
         client.on_dead = lifecycle.engine_died
         lifecycle.fail_pending = client.fail_pending
         app = build_app(state)
@@ -147,7 +153,9 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
             lifecycle.phase = "ready"
         if not config.disable_log_stats:
             stats_task = asyncio.create_task(_log_stats(state.metrics))
-        logger.info("serving %s on http://%s:%d", state.model_names[0], config.host, config.port)
+        scheme = "https" if config.ssl_certfile else "http"
+        logger.info("serving %s on %s://%s:%d%s", state.model_names[0], scheme, config.host, config.port,
+                    config.root_path or "")
         await http
         return lifecycle.exit_code
     finally:

@@ -33,6 +33,8 @@ class ServerState:
     model_root: str  # the --model the server was started with: always accepted as a model name
     reasoning: ReasoningSpec | None = None  # --reasoning-parser
     tracer: object | None = None  # a RequestTracer when tracing is on
+    # --generation-config: request field → the model's default (tokenmill/models/generation_config.py)
+    generation_defaults: dict = field(default_factory=dict)
     metrics: ServerMetrics = field(init=False)
     max_chars_per_token: int = field(init=False)  # the longest token's text: n characters are ≥ n / this tokens
     _token_strs: dict[int, str] = field(default_factory=dict, init=False)
@@ -119,7 +121,8 @@ class ServerState:
         it (INLINE_ENCODE_CHARS), as the router does."""
         num_chars = sum(_num_chars(m) for m in messages)
         self.check_text_length(num_chars, "messages")
-        args = (self.tokenizer, messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+        args = (self.tokenizer, messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
+                self.config.chat_template_content_format)
         if num_chars <= INLINE_ENCODE_CHARS and not tools:
             return render_chat(*args)
         return await asyncio.to_thread(render_chat, *args)

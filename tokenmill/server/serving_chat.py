@@ -67,7 +67,8 @@ class OpenAIServingChat(OpenAIServing):
             if state.reasoning is not None:
                 splitter = ReasoningSplitter(state.reasoning, prompt_texts[conversation])
             tool_parser = TOOL_PARSERS[state.config.auto_tool_call_parser]() if tool_mode == "auto" else None
-            return ChatOutputParser(splitter, req.include_reasoning, tool_mode, tool_parser, named_tool)
+            return ChatOutputParser(splitter, req.include_reasoning, tool_mode, tool_parser, named_tool,
+                                    self.response_role(req, conversations[conversation]))
 
         if req.use_beam_search:  # streamed too, as vLLM does: each beam in one chunk, at the end
             stream = self.start_beam_search(request_id, prompts, req, max_tokens, num_logprobs, tool_constraint, lora)
@@ -101,6 +102,11 @@ class OpenAIServingChat(OpenAIServing):
             if prompt_logprobs is not None:
                 response.prompt_logprobs = self.prompt_logprobs(prompts[0], choices[0].prompt_logprobs)
         return json_response(response)
+
+    def response_role(self, req: chp.ChatCompletionRequest, messages: list[chp.ChatMessage]) -> str:
+        """vLLM's: --response-role when the prompt ends with the generation prompt, else the last message's role
+        (the model continues that message)."""
+        return self.state.config.response_role if req.add_generation_prompt else messages[-1].role
 
     @staticmethod
     def echo_text(messages: list[chp.ChatMessage], any_role: bool) -> str:
@@ -198,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
             usage = self.usage([prompt_ids], num_tokens, stream.num_cached_tokens)
             return sse_event(chp.ChatCompletionUsageChunk(rid, created, model, usage))
 
-        first = b"".join(chunk(i, chp.DeltaMessage(role="assistant", content=""), first=True) for i in range(n))
+        first = b"".join(chunk(i, chp.DeltaMessage(role=parsers[i].role, content=""), first=True) for i in range(n))
         if echo_text:  # vLLM: a chunk per choice with the echoed content, after the role
             first += b"".join(chunk(i, chp.DeltaMessage(content=echo_text)) for i in range(n))
         return self.stream_response(stream, first, events_for, usage_event if include_usage else None)

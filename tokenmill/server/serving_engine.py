@@ -68,7 +68,15 @@ class OpenAIServing:
         if bad:
             raise ParamError(f"stop_token_ids: token id {bad[0]} is out of vocabulary (size {vocab})",
                              "stop_token_ids")
-        top_k = req.top_k or 0
+        defaults = self.state.generation_defaults  # --generation-config: the model's, for fields left unset
+
+        def given(name: str, vllm_default):
+            value = getattr(req, name)
+            return value if value is not None else defaults.get(name, vllm_default)
+
+        if "max_tokens" in defaults:  # vLLM's rule: the model's max_new_tokens bounds every request
+            max_tokens = min(max_tokens or defaults["max_tokens"], defaults["max_tokens"])
+        top_k = given("top_k", 0)
         if top_k >= vocab:  # keeps every token, as no top-k at all does
             top_k = 0
         structured = self.structured_outputs(req)
@@ -83,11 +91,9 @@ class OpenAIServing:
             structured = tool_constraint
         return SamplingParams(
             structured_outputs=structured, thinking_token_budget=req.thinking_token_budget,
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-            min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            n=req.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=top_k,
+            min_p=given("min_p", 0.0), presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0, repetition_penalty=given("repetition_penalty", 1.0),
             logit_bias=logit_bias, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
@@ -189,6 +195,10 @@ class OpenAIServing:
         for ids in prompts:
             state.validate(ids, params, priority)
         state.check_queue([ids for ids in prompts for _ in range(params.n)])
+        if state.config.enable_log_requests:
+            logger.info("Received request %s: %d prompt(s) of %s tokens, params: %s, lora: %s", request_id,
+                        len(prompts), [len(ids) for ids in prompts], params,
+                        lora_request.lora_name if lora_request else None)
         # submitted in the same event-loop turn as the check (EngineClient.generate)
         stream = state.client.generate(request_id, prompts, params, state.tokenizer, priority, lora_request)
         if state.tracer is not None:
