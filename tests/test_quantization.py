@@ -274,8 +274,8 @@ def test_quantized_flag_that_cannot_be_served_fails_the_start(monkeypatch):
         quantization_kernels("int8", False, torch.bfloat16, cuda)
     with pytest.raises(ValueError, match=r"--quantization int4: .* on cpu in float16 \(they run in float32"):
         quantization_kernels("int4", False, torch.float16, cpu)
-    with pytest.raises(ValueError, match=r"--quantization auto: .*\(the GGUF dequantized at load\)"):
-        quantization_kernels("auto", True, torch.bfloat16, cuda, gguf_has_quantized=True)
+    # auto, the default, is "quantized where the kernels serve it": the default GGUF starts on a GPU, dequantized
+    assert quantization_kernels("auto", True, torch.bfloat16, cuda, gguf_has_quantized=True) is None
     monkeypatch.setattr(kernels, "cpu_ops", lambda: None)  # TOKENMILL_CPU_ISA=none, or a failed build
     with pytest.raises(ValueError, match=r"--quantization gguf: .*the CPU kernels are off"):
         quantization_kernels("gguf", True, torch.float32, cpu)

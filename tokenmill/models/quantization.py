@@ -12,8 +12,10 @@ Two block formats (32 weights of one output row per block) cover everything serv
 d and m are float16, as GGUF stores them, so a GGUF tensor is repacked without any rounding. The kernels
 (tokenmill/kernels/csrc/quant_linear.cpp) read the layout that `pack` makes, documented there.
 
-Where the kernels cannot run (TOKENMILL_CPU_ISA=none, CUDA, float16), a quantized flag (int8, int4, gguf, or auto
-with a GGUF holding Q4_0/Q4_1/Q8_0 tensors) fails the start-up; `--quantization none` serves dense weights."""
+Where the kernels cannot run (TOKENMILL_CPU_ISA=none, CUDA, float16), a quantized flag the user chose (int8, int4,
+gguf) fails the start-up, and `--quantization none` serves dense weights. `auto`, the default, means "quantized
+where the kernels serve it": there it dequantizes the GGUF at load and says so in the log, so that the default
+model starts on a GPU."""
 from __future__ import annotations
 
 import logging
@@ -174,9 +176,9 @@ def quant_linear(ops, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tens
 def quantization_kernels(quantization: str, is_gguf: bool, dtype: torch.dtype, device: torch.device,
                          gguf_has_quantized: bool = True):
     """The CPU kernels that will serve weights kept quantized, or None where weights stay (or become) dense.
-    Where quantized weights were asked for (int8, int4, gguf, or auto with a GGUF holding Q4_0/Q4_1/Q8_0 tensors:
-    gguf_has_quantized) and the kernels cannot run, this refuses to start rather than serve dense weights under a
-    quantized flag; --quantization none asks for the dense weights."""
+    Where quantized weights were asked for (int8, int4, gguf) and the kernels cannot run, this refuses to start
+    rather than serve dense weights under a quantized flag; --quantization none asks for the dense weights. With
+    auto, a GGUF holding Q4_0/Q4_1/Q8_0 tensors (gguf_has_quantized) is dequantized, with a log line."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown --quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}")
     if quantization == "gguf" and not is_gguf:
@@ -185,7 +187,10 @@ def quantization_kernels(quantization: str, is_gguf: bool, dtype: torch.dtype, d
         return None
     from tokenmill.kernels import cpu_ops
     ops = cpu_ops() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
-    if ops is None and (quantization in ("int8", "int4") or gguf_has_quantized):
+    if ops is None and quantization == "auto" and gguf_has_quantized:
+        logger.warning("quantization auto: no quantized kernels for %s in %s; the GGUF's quantized tensors are "
+                       "dequantized to %s at load", device.type, dtype, str(dtype).removeprefix("torch."))
+    elif ops is None and quantization in ("int8", "int4", "gguf"):
         why = ("the quantized kernels are CPU kernels" if device.type != "cpu" else
                "they run in float32 and bfloat16" if dtype not in (torch.float32, torch.bfloat16) else
                "the CPU kernels are off (the log says why: TOKENMILL_CPU_ISA, or a failed build)")
