@@ -39,6 +39,7 @@ class FakeEngineClient:
         self.num_queued_tokens = 0
         self.die_after_tokens: int | None = None  # tests set it: the engine process "dies" after that many tokens
         self.max_generated_tokens: int | None = None  # tests set it: finish with "length" after that many tokens
+        self.num_cached_tokens = 0  # tests set it: the prefix-cache hit every request reports
         self._queues: dict[str, asyncio.Queue] = {}
         self._tasks: dict[str, asyncio.Task] = {}
 
@@ -79,7 +80,7 @@ class FakeEngineClient:
             queue.put_nowait(EngineCoreOutput(
                 request_id, [token], "length" if last else None,
                 [self._logprobs(token, params.logprobs)] if params.logprobs is not None else None,
-                prompt_logprobs if i == 0 else None))
+                prompt_logprobs if i == 0 else None, self.num_cached_tokens))
             if self.die_after_tokens is not None and i + 1 >= self.die_after_tokens:
                 self.die()
                 return

@@ -104,11 +104,17 @@ class ToolCall(msgspec.Struct):
     type: str = "function"
 
 
-class ChatResponseMessage(msgspec.Struct, omit_defaults=True):
+class ChatResponseMessage(msgspec.Struct, kw_only=True):
+    """vLLM's ChatMessage: every OpenAI field present (null, or [] for tool_calls); reasoning_content only when the
+    model reasoned."""
     role: str
     content: str | None  # null when the answer is only tool calls or only reasoning
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChoiceEnd(msgspec.Struct, kw_only=True):
@@ -121,7 +127,7 @@ class ChoiceEnd(msgspec.Struct, kw_only=True):
 class ChatChoice(ChoiceEnd):
     index: int
     message: ChatResponseMessage
-    token_ids: list[int] | UnsetType = UNSET  # vLLM: with return_token_ids
+    token_ids: list[int] | None = None  # vLLM: with return_token_ids
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
@@ -151,15 +157,20 @@ class ChatChunkChoice(ChoiceEnd):
 
 
 class ChatCompletionResponse(msgspec.Struct):
+    """vLLM's whole response: every field present, null when not asked for (clients read them as attributes)."""
     id: str
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
-    # vLLM's extras, present only when asked for
-    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
-    prompt_token_ids: list[int] | UnsetType = UNSET
+    service_tier: None = None
+    system_fingerprint: None = None
+    # vLLM's extras
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: None = None  # return_prompt_text, which tokenmill refuses
+    kv_transfer_params: None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

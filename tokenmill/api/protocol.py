@@ -14,6 +14,7 @@ import logging
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
 from tokenmill.sampling_params import ParamError
@@ -199,10 +200,11 @@ class PromptTokensDetails(msgspec.Struct):
 
 
 class Usage(msgspec.Struct):
+    """prompt_tokens_details as vLLM sends it: null in a whole response, absent from a stream's chunks."""
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None | UnsetType = UNSET
 
 
 class PromptLogprob(msgspec.Struct):

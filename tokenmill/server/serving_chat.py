@@ -195,7 +195,7 @@ class OpenAIServingChat(OpenAIServing):
             return events
 
         def usage_event(num_tokens: int) -> bytes:
-            usage = self.usage([prompt_ids], num_tokens, stream.num_cached_tokens)
+            usage = self.usage([prompt_ids], num_tokens, stream.num_cached_tokens, streamed=True)
             return sse_event(chp.ChatCompletionUsageChunk(rid, created, model, usage))
 
         first = b"".join(chunk(i, chp.DeltaMessage(role="assistant", content=""), first=True) for i in range(n))

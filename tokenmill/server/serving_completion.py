@@ -113,7 +113,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_ids_due = [return_token_ids] * num_choices  # vLLM sends them in each choice's first chunk
 
         def chunk(i: int, text: str, logprobs=None, finish_reason=None, stop_reason=None, token_ids=()) -> bytes:
-            choice = cp.CompletionChoice(i, text, logprobs, finish_reason, stop_reason)
+            choice = cp.CompletionStreamChoice(i, text, logprobs, finish_reason, stop_reason)
             if return_token_ids:
                 choice.token_ids = list(token_ids)
                 if prompt_ids_due[i]:
@@ -122,7 +122,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if continuous_usage:
                 num_prompt = len(prompts[i // n])
                 usage = p.Usage(num_prompt, num_tokens[i], num_prompt + num_tokens[i])
-            return sse_event(cp.CompletionResponse(rid, created, model, [choice], usage))
+            return sse_event(cp.CompletionStreamResponse(rid, created, model, [choice], usage))
 
         first = b"".join(chunk(i, echo_texts[i // n]) for i in range(num_choices)) if echo_texts else b""
 
@@ -142,7 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return events
 
         def usage_event(num_tokens: int) -> bytes:
-            usage = self.usage(prompts, 0 if echo_only else num_tokens, stream.num_cached_tokens)
-            return sse_event(cp.CompletionResponse(rid, created, model, [], usage))
+            usage = self.usage(prompts, 0 if echo_only else num_tokens, stream.num_cached_tokens, streamed=True)
+            return sse_event(cp.CompletionStreamResponse(rid, created, model, [], usage))
 
         return self.stream_response(stream, first, events_for, usage_event if include_usage else None)
