@@ -72,7 +72,8 @@ class FakeEngineClient:
         max_tokens = min(max_tokens, self.max_generated_tokens or max_tokens)
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + [self._logprobs(t, params.prompt_logprobs) for t in prompt_ids[1:]]
+            prompt_logprobs = [None] + [self._logprobs(t, params.prompt_logprobs, chosen_first=False)
+                                        for t in prompt_ids[1:]]
         for i in range(max_tokens):
             await asyncio.sleep(0)
             token = self.tokens[i % len(self.tokens)]
@@ -87,9 +88,13 @@ class FakeEngineClient:
         self._queues.pop(request_id, None)
 
     @staticmethod
-    def _logprobs(token: int, k: int) -> TokenLogprobs:
-        top = [token, token + 1][:k]
-        return TokenLogprobs(token, -0.25, 1, top, [-0.25, -1.5][:len(top)])
+    def _logprobs(token: int, k: int, chosen_first: bool = True) -> TokenLogprobs:
+        """Sampled tokens are the argmax; a prompt token is not (token + 1 ranks above it)."""
+        if chosen_first:
+            top = [token, token + 1][:k]
+            return TokenLogprobs(token, -0.25, 1, top, [-0.25, -1.5][:len(top)])
+        top = [token + 1, token][:k]
+        return TokenLogprobs(token, -1.5, 2, top, [-0.25, -1.5][:len(top)])
 
     def abort(self, request_ids, finished_reason="abort") -> None:
         for request_id in request_ids:

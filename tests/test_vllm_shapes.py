@@ -75,3 +75,65 @@ async def test_invocations_answers_with_the_keys_of_chat_completions(app):
     assert chat.keys() == invocation.keys() == VLLM_CHAT_RESPONSE_KEYS
     assert VLLM_CHAT_RESPONSE_KEYS <= sdk.keys()
     assert sdk["choices"] == invocation["choices"]
+
+
+# ---- streams: finish_reason on the last token's chunk, the usage total on a chunk without choices ----
+
+def _choice_chunks(events: list) -> dict[int, list]:
+    """Each choice's chunks (those with choices), in order, as (choice, the chunk's usage)."""
+    out: dict[int, list] = {}
+    for e in events:
+        for c in e["choices"]:
+            out.setdefault(c["index"], []).append((c, e.get("usage")))
+    return out
+
+
+@pytest.mark.parametrize("path,body,text", [
+    ("/v1/chat/completions", CHAT, lambda c: c["delta"].get("content") or ""),
+    ("/v1/completions", COMPLETION, lambda c: c["text"])], ids=["chat", "completions"])
+async def test_stream_finish_reason_rides_on_the_last_token(app, path, body, text):
+    """As vLLM: one chunk per token (after chat's role chunk), the last one carrying finish_reason, so continuous
+    usage reaches max_tokens on a chunk with choices; then the include_usage total with `choices: []`. With n 2,
+    each choice's own."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    events = sse_events(await post(app, path, {**body, "n": 2, "stream": True, "stream_options": opts}))
+    *chunks, final = events
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 2 * body["max_tokens"]
+    per_choice = _choice_chunks(chunks)
+    assert set(per_choice) == {0, 1}
+    for index, seen in per_choice.items():
+        if "chat" in path:
+            assert seen[0][0]["delta"] == {"role": "assistant", "content": ""}
+            seen = seen[1:]
+        assert len(seen) == body["max_tokens"]  # no chunk of its own for the finish
+        assert all(text(c) for c, _ in seen)  # each carries its token's text, the last one too
+        assert [c["finish_reason"] for c, _ in seen] == [None] * (body["max_tokens"] - 1) + ["length"]
+        assert [u["completion_tokens"] for _, u in seen] == list(range(1, body["max_tokens"] + 1))
+
+
+@pytest.mark.parametrize("path,body,text", [
+    ("/v1/chat/completions", CHAT, lambda c: c["delta"].get("content") or ""),
+    ("/v1/completions", COMPLETION, lambda c: c["text"])], ids=["chat", "completions"])
+async def test_stream_finish_with_a_stop_string(app, path, body, text):
+    """A stop string trims the final text: the finish_reason and stop_reason still come on the last chunk of the
+    choice, once, and the text streamed is the trimmed one."""
+    events = sse_events(await post(app, path, {**body, "max_tokens": 10, "n": 2, "stream": True,
+                                               "stop": [" green"]}))
+    for index, seen in _choice_chunks(events).items():
+        ends = [(c["finish_reason"], c["stop_reason"]) for c, _ in seen if c["finish_reason"] is not None]
+        assert ends == [("stop", " green")] and seen[-1][0]["finish_reason"] == "stop"
+        assert "".join(text(c) for c, _ in seen) == " Red,"
+
+
+# ---- completions logprobs: the chosen token first in top_logprobs ----
+
+async def test_completion_top_logprobs_list_the_chosen_token_first(app, tokenizer):
+    """vLLM's top_logprobs[i] starts with tokens[i], then the top alternatives: for an echoed prompt token that
+    is not the argmax (the fake engine ranks token + 1 above it), the map has k + 1 entries."""
+    body = {**COMPLETION, "echo": True, "logprobs": 1, "max_tokens": 2}
+    lp = (await post(app, "/v1/completions", body)).json()["choices"][0]["logprobs"]
+    prompt_ids = tokenizer.encode(COMPLETION["prompt"])
+    assert lp["top_logprobs"][0] is None
+    for i, (token, top) in enumerate(zip(lp["tokens"][1:], lp["top_logprobs"][1:]), 1):
+        assert next(iter(top)) == token and top[token] == lp["token_logprobs"][i]
+        assert len(top) == (2 if i < len(prompt_ids) else 1)  # prompt: token + the argmax; generated: the argmax

@@ -85,7 +85,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int, k: int,
                  as_ids: bool) -> cp.CompletionLogprobs:
         """entries: (token id, its logprobs or None, as for the first prompt token); offset: the text offset of the
-        first token; k: the alternatives to give (the token itself is always among them); as_ids: "token_id:N"."""
+        first token; k: the alternatives to give; as_ids: "token_id:N". As vLLM, each top_logprobs map holds the
+        token itself first, then the k alternatives (k + 1 entries when the token is not among them)."""
         out = cp.CompletionLogprobs()
         for token_id, e in entries:
             s = self.logprob_token(token_id, as_ids)
@@ -97,8 +98,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(e.logprob)
-            top = {self.logprob_token(t, as_ids): lp for t, lp in zip(e.top_token_ids[:k], e.top_logprobs[:k])}
-            top.setdefault(s, e.logprob)
+            top = {s: e.logprob}
+            for t, lp in zip(e.top_token_ids[:k], e.top_logprobs[:k]):
+                top[self.logprob_token(t, as_ids)] = lp
             out.top_logprobs.append(top)
         return out
 
@@ -135,10 +137,9 @@ class OpenAIServingCompletion(OpenAIServing):
             if d.logprobs:
                 logprobs = self.logprobs([(e.token_id, e) for e in d.logprobs], offsets[d.index], k, as_ids)
                 offsets[d.index] += sum(len(t) for t in logprobs.tokens)
-            if d.text or logprobs is not None or (return_token_ids and d.token_ids):
-                events.append(chunk(d.index, d.text, logprobs, token_ids=d.token_ids))
-            if d.finish_reason is not None:
-                events.append(chunk(d.index, "", None, d.finish_reason, d.stop_reason))
+            # as vLLM: the last token's chunk carries finish_reason (no chunk of its own)
+            if d.text or logprobs is not None or (return_token_ids and d.token_ids) or d.finish_reason is not None:
+                events.append(chunk(d.index, d.text, logprobs, d.finish_reason, d.stop_reason, d.token_ids))
             return events
 
         def usage_event(num_tokens: int) -> bytes:
