@@ -8,7 +8,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 from pydantic import Field, model_validator
 
-from tokenmill.api.protocol import ROLES, Int, PromptLogprobs, SamplingFields, Usage, _Request
+from tokenmill.api.protocol import ROLES, Int, PromptLogprobs, ReasoningEffort, SamplingFields, Usage, _Request
 from tokenmill.sampling_params import ParamError
 
 
@@ -46,12 +46,12 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False  # vLLM: special tokens (BOS) on top of what the chat template writes
     _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
         **SamplingFields._UNSUPPORTED_VLLM, "documents": "", "media_io_kwargs": "", "mm_processor_kwargs": "",
-        "reasoning_effort": "", "return_prompt_text": "", "chat_template": ": start with --chat-template"}
+        "return_prompt_text": "", "chat_template": ": start with --chat-template"}
     documents: None = None
     chat_template: None = None
     media_io_kwargs: None = None
     mm_processor_kwargs: None = None
-    reasoning_effort: None = None
+    reasoning_effort: ReasoningEffort | None = None  # the chat template's `reasoning_effort` (vLLM)
     return_prompt_text: Literal[False] | None = None
     functions: None = None
     function_call: None = None
@@ -59,6 +59,13 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[Literal["text"]] | None = Field(default=["text"], min_length=1, max_length=1)
     prediction: None = None
     web_search_options: None = None
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any] | None:
+    """vLLM's merge: the request's chat_template_kwargs, with reasoning_effort (when given) over them."""
+    if reasoning_effort is None:
+        return kwargs
+    return {**(kwargs or {}), "reasoning_effort": reasoning_effort}
 
 
 class BatchChatCompletionRequest(ChatCompletionRequest):

@@ -25,6 +25,9 @@ logger = logging.getLogger("tokenmill.server")
 # one (it rounds to 2**63, out of range); 2**63 - 1024 is the largest int64 a double holds exactly.
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# vLLM's reasoning_effort values (chat's reasoning_effort, the Responses API's reasoning.effort): passed to the chat
+# template as its `reasoning_effort` variable, as vLLM does; a template that does not read it ignores it
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 TOKEN_ID = "^[0-9]+$"
 
 

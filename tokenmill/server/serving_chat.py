@@ -39,8 +39,9 @@ class OpenAIServingChat(OpenAIServing):
         state = self.state
         lora = state.check_model(req.model)
         tool_mode, named_tool, tool_constraint = self.tool_choice(req)
-        rendered = [await state.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
-                                            req.chat_template_kwargs, req.tools) for messages in conversations]
+        kwargs = chp.template_kwargs(req.chat_template_kwargs, req.reasoning_effort)
+        rendered = [await state.render_chat(messages, req.add_generation_prompt, req.continue_final_message, kwargs,
+                                            req.tools) for messages in conversations]
         prompt_texts, prompts = [text for text, _ in rendered], [ids for _, ids in rendered]
         if req.add_special_tokens:  # vLLM: the rendered text tokenized with special tokens (a BOS) added
             prompts = await state.encode(prompt_texts)
