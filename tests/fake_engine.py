@@ -39,6 +39,7 @@ class FakeEngineClient:
         self.num_queued_tokens = 0
         self.die_after_tokens: int | None = None  # tests set it: the engine process "dies" after that many tokens
         self.max_generated_tokens: int | None = None  # tests set it: finish with "length" after that many tokens
+        self.num_cached_tokens = 0  # tests set it: the prefix-cache hit every request reports
         self._queues: dict[str, asyncio.Queue] = {}
         self._tasks: dict[str, asyncio.Task] = {}
 
@@ -71,7 +72,8 @@ class FakeEngineClient:
         max_tokens = min(max_tokens, self.max_generated_tokens or max_tokens)
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + [self._logprobs(t, params.prompt_logprobs) for t in prompt_ids[1:]]
+            prompt_logprobs = [None] + [self._logprobs(t, params.prompt_logprobs, chosen_first=False)
+                                        for t in prompt_ids[1:]]
         for i in range(max_tokens):
             await asyncio.sleep(0)
             token = self.tokens[i % len(self.tokens)]
@@ -79,16 +81,20 @@ class FakeEngineClient:
             queue.put_nowait(EngineCoreOutput(
                 request_id, [token], "length" if last else None,
                 [self._logprobs(token, params.logprobs)] if params.logprobs is not None else None,
-                prompt_logprobs if i == 0 else None))
+                prompt_logprobs if i == 0 else None, self.num_cached_tokens))
             if self.die_after_tokens is not None and i + 1 >= self.die_after_tokens:
                 self.die()
                 return
         self._queues.pop(request_id, None)
 
     @staticmethod
-    def _logprobs(token: int, k: int) -> TokenLogprobs:
-        top = [token, token + 1][:k]
-        return TokenLogprobs(token, -0.25, 1, top, [-0.25, -1.5][:len(top)])
+    def _logprobs(token: int, k: int, chosen_first: bool = True) -> TokenLogprobs:
+        """Sampled tokens are the argmax; a prompt token is not (token + 1 ranks above it)."""
+        if chosen_first:
+            top = [token, token + 1][:k]
+            return TokenLogprobs(token, -0.25, 1, top, [-0.25, -1.5][:len(top)])
+        top = [token + 1, token][:k]
+        return TokenLogprobs(token, -1.5, 2, top, [-0.25, -1.5][:len(top)])
 
     def abort(self, request_ids, finished_reason="abort") -> None:
         for request_id in request_ids:

@@ -287,7 +287,7 @@ async def test_non_streaming_shapes_and_usage(app, tokenizer):
     assert body["choices"][2]["text"].startswith("Two three")
     n_prompt = len(tokenizer.encode("One")) + len(tokenizer.encode("Two three"))
     assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 16, "total_tokens": n_prompt + 16,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": None}
     lp = body["choices"][0]["logprobs"]
     assert lp["token_logprobs"][0] is None and "".join(lp["tokens"]) == body["choices"][0]["text"]
     r = await post(app, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 5,

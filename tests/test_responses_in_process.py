@@ -5,6 +5,7 @@ What depends on the model (structured output, tool calls, greedy stream = plain 
 engine in test_responses_api.py. The fake engine always stops on length, so its responses are incomplete."""
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -234,3 +235,62 @@ async def test_reasoning_and_auto_tool_calls(tokenizer):
     assert arguments == call["arguments"]
     added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
     assert added == ["reasoning", "function_call"]  # no message for the blank line before the call
+
+
+# ---- reasoning effort, truncation, and the fields this endpoint does not read ----
+
+EFFORT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}effort={{ reasoning_effort }}"
+
+
+async def test_reasoning_effort_reaches_the_chat_template_on_both_endpoints(tokenizer):
+    """vLLM's treatment of chat's reasoning_effort and the Responses API's reasoning.effort: the chat template's
+    `reasoning_effort` variable (over chat_template_kwargs' own); an unknown effort is a 400 naming the field."""
+    templated = copy.copy(tokenizer)  # what --chat-template does at start-up (launch.py)
+    templated.chat_template = EFFORT_TEMPLATE
+    app = InProcessServer(templated)
+    r = await _create(app, input="Hi", reasoning={"effort": "low"})
+    assert _prompt_text(app, r["id"]).endswith("effort=low") and r["reasoning"] == {"effort": "low"}
+    r = await _create(app, input="Hi")
+    assert _prompt_text(app, r["id"]).endswith("effort=") and r["reasoning"] is None
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for extra, effort in (({"reasoning_effort": "high"}, "high"),
+                          ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "low")):
+        r = (await post(app, "/v1/chat/completions", {**chat, **extra})).json()
+        assert _prompt_text(app, r["id"]).endswith(f"effort={effort}")
+    assert json_error(await post(app, "/v1/chat/completions", {**chat, "reasoning_effort": "extreme"}),
+                      400)["param"] == "reasoning_effort"
+    err = json_error(await post(app, "/v1/responses", {"model": MODEL, "input": "Hi",
+                                                       "reasoning": {"effort": "extreme"}}), 400)
+    assert err["param"] == "reasoning"
+    err = json_error(await post(app, "/v1/responses", {"model": MODEL, "input": "Hi",
+                                                       "reasoning": {"summary": "auto"}}), 400)
+    assert err["param"] == "reasoning"
+
+
+async def test_truncation_auto_drops_the_oldest_input_items(tokenizer):
+    """OpenAI's truncation: "disabled" (the default) is a 400 when the input does not fit the context; "auto"
+    drops the oldest items (never the instructions) until it does."""
+    app = InProcessServer(tokenizer, max_model_len=96)
+    turns = [{"role": "user", "content": f"Turn {i}: " + "words to fill the context " * 6} for i in range(4)]
+    body = {"model": MODEL, "input": turns, "instructions": "Be brief.", "max_output_tokens": 4}
+    err = json_error(await post(app, "/v1/responses", body), 400)
+    assert "context length" in err["message"]
+    assert json_error(await post(app, "/v1/responses", {**body, "truncation": "disabled"}), 400)
+    r = await _create(app, **{**body, "truncation": "auto"})
+    prompt = _prompt_text(app, r["id"])
+    assert "Be brief." in prompt and "Turn 3:" in prompt and "Turn 0:" not in prompt
+    assert len(app.state.tokenizer.encode(prompt)) + 4 <= 96 and r["truncation"] == "auto"
+    # what cannot fit even alone stays a 400
+    huge = {**body, "truncation": "auto", "input": [{"role": "user", "content": "word " * 200}]}
+    assert "context length" in json_error(await post(app, "/v1/responses", huge), 400)["message"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("prompt_logprobs", 1), ("return_token_ids", True), ("return_tokens_as_token_ids", True),
+    ("truncate_prompt_tokens", 4), ("truncation_side", "right"), ("use_beam_search", True),
+    ("stream_options", {"include_usage": True}), ("include", ["message.output_text.logprobs"]),
+    ("max_tool_calls", 2), ("top_logprobs", 2)])
+async def test_fields_this_endpoint_does_not_read_are_refused(app, field, value):
+    body = {"model": MODEL, "input": "Hi", "stream": field == "stream_options", field: value}
+    err = json_error(await post(app, "/v1/responses", body), 400)
+    assert err["param"] == field or field in err["message"], err

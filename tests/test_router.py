@@ -23,8 +23,8 @@ import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import (SERVER_ARGS, SYSTEMS, OtlpReceiver, RemoteServer, free_port, prefix_workload_homes, router_chat,
-                     stop_process, wait_until)
+from helpers import (SERVER_ARGS, SYSTEMS, OtlpReceiver, RemoteServer, cached_tokens, free_port,
+                     prefix_workload_homes, router_chat, stop_process, wait_until)
 
 from tokenmill.config import KVEventsConfig
 from tokenmill.engine.block_hash import hash_block_tokens
@@ -342,7 +342,8 @@ def replicas_server():
         events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
                   "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv"}
         server = RemoteServer(["--kv-events-config", json.dumps(events)], env={"OMP_NUM_THREADS": "1"},
-                              server_args=[*SERVER_ARGS, "--kv-cache-memory", "128MiB", "--disable-log-stats"])
+                              server_args=[*SERVER_ARGS, "--kv-cache-memory", "128MiB", "--disable-log-stats",
+                                           "--enable-prompt-tokens-details"])
         server.kv_endpoints = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
         return server
 
@@ -656,8 +657,7 @@ def test_load_correction_predictions_metrics_and_a_span_that_continues_tracepare
         assert len(spans) == 1 and spans[0]["parent_span_id"] == parent_id
         attrs = spans[0]["attributes"]
         assert attrs["tokenmill.router.replica"] == response.headers["x-tokenmill-replica"]
-        assert attrs["tokenmill.router.cached_tokens"] == response.json()["usage"]["prompt_tokens_details"][
-            "cached_tokens"]
+        assert attrs["tokenmill.router.cached_tokens"] == cached_tokens(response.json()["usage"])
         assert _metric(router, "tokenmill_router:cache_predictions_total", outcome="exact") == 4
         assert _metric(router, "tokenmill_router:cpu_seconds_per_request") > 0
     finally:

@@ -143,7 +143,8 @@ def test_serve_ray_scales_on_the_engine_queue_and_routes_prefixes_to_their_cache
                                                            "target_ongoing_requests": 2, "metrics_interval_s": 0.5,
                                                            "look_back_period_s": 2,
                                                            "upscale_delay_s": 0, "downscale_delay_s": 600}))
-    deploy(config, replica_serve_args(config, [*SERVER_ARGS, "--kv-cache-memory", "128MiB", "--disable-log-stats"]))
+    deploy(config, replica_serve_args(config, [*SERVER_ARGS, "--kv-cache-memory", "128MiB", "--disable-log-stats",
+                                                 "--enable-prompt-tokens-details"]))
     url = f"http://127.0.0.1:{config.port}"
     assert _replica_states() == {"RUNNING": 1}  # min_replicas, and nothing queued yet
     first = wait_until(lambda: _healthy_replicas(url), 30, 0.2, "the first replica to join the router")

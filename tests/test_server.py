@@ -92,12 +92,13 @@ def test_chat_sse_framing(server):
     r = httpx.post(server.url_for("/v1/chat/completions"), json=body, headers=server.headers(), timeout=120)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r)
-    first, *content, finish, usage = events
+    first, *content, usage = events
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert first["choices"][0]["finish_reason"] is None
     assert content and all(set(e["choices"][0]["delta"]) == {"content"} for e in content)
-    assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] == "length"
+    # as vLLM: the last token's chunk carries finish_reason
+    assert [e["choices"][0]["finish_reason"] for e in content] == [None] * (len(content) - 1) + ["length"]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
     assert len({e["id"] for e in events}) == 1
 
@@ -114,7 +115,7 @@ def test_completion_sse_framing(server):
                                     timeout=120))
     *content, finish, usage = events
     assert all(e["object"] == "text_completion" and e["choices"][0]["finish_reason"] is None for e in content)
-    assert finish["choices"][0]["finish_reason"] == "length" and finish["choices"][0]["text"] == ""
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["choices"][0]["text"]  # the last token's
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
 
 

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 from pydantic import Field, model_validator
 
-from tokenmill.api.protocol import ROLES, Int, PromptLogprobs, SamplingFields, Usage, _Request
+from tokenmill.api.protocol import ROLES, Int, PromptLogprobs, ReasoningEffort, SamplingFields, Usage, _Request
 from tokenmill.sampling_params import ParamError
 
 
@@ -46,12 +46,12 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False  # vLLM: special tokens (BOS) on top of what the chat template writes
     _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
         **SamplingFields._UNSUPPORTED_VLLM, "documents": "", "media_io_kwargs": "", "mm_processor_kwargs": "",
-        "reasoning_effort": "", "return_prompt_text": "", "chat_template": ": start with --chat-template"}
+        "return_prompt_text": "", "chat_template": ": start with --chat-template"}
     documents: None = None
     chat_template: None = None
     media_io_kwargs: None = None
     mm_processor_kwargs: None = None
-    reasoning_effort: None = None
+    reasoning_effort: ReasoningEffort | None = None  # the chat template's `reasoning_effort` (vLLM)
     return_prompt_text: Literal[False] | None = None
     functions: None = None
     function_call: None = None
@@ -59,6 +59,13 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[Literal["text"]] | None = Field(default=["text"], min_length=1, max_length=1)
     prediction: None = None
     web_search_options: None = None
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any] | None:
+    """vLLM's merge: the request's chat_template_kwargs, with reasoning_effort (when given) over them."""
+    if reasoning_effort is None:
+        return kwargs
+    return {**(kwargs or {}), "reasoning_effort": reasoning_effort}
 
 
 class BatchChatCompletionRequest(ChatCompletionRequest):
@@ -104,11 +111,17 @@ class ToolCall(msgspec.Struct):
     type: str = "function"
 
 
-class ChatResponseMessage(msgspec.Struct, omit_defaults=True):
+class ChatResponseMessage(msgspec.Struct, kw_only=True):
+    """vLLM's ChatMessage: every OpenAI field present (null, or [] for tool_calls); reasoning_content only when the
+    model reasoned."""
     role: str
     content: str | None  # null when the answer is only tool calls or only reasoning
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChoiceEnd(msgspec.Struct, kw_only=True):
@@ -121,7 +134,7 @@ class ChoiceEnd(msgspec.Struct, kw_only=True):
 class ChatChoice(ChoiceEnd):
     index: int
     message: ChatResponseMessage
-    token_ids: list[int] | UnsetType = UNSET  # vLLM: with return_token_ids
+    token_ids: list[int] | None = None  # vLLM: with return_token_ids
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
@@ -151,15 +164,20 @@ class ChatChunkChoice(ChoiceEnd):
 
 
 class ChatCompletionResponse(msgspec.Struct):
+    """vLLM's whole response: every field present, null when not asked for (clients read them as attributes)."""
     id: str
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
-    # vLLM's extras, present only when asked for
-    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
-    prompt_token_ids: list[int] | UnsetType = UNSET
+    service_tier: None = None
+    system_fingerprint: None = None
+    # vLLM's extras
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: None = None  # return_prompt_text, which tokenmill refuses
+    kv_transfer_params: None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

@@ -40,22 +40,46 @@ class CompletionLogprobs(msgspec.Struct):
 
 
 class CompletionChoice(msgspec.Struct):
+    """A whole response's choice: vLLM's extras always present, null when not asked for."""
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
-    # vLLM's extras, present only when asked for (return_token_ids, prompt_logprobs)
-    token_ids: list[int] | UnsetType = UNSET
-    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
-    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
-    """Also each streamed chunk (usage null), and the final usage chunk (no choices) when asked for."""
+    """The whole response: every field vLLM sends, null included."""
     id: str
     created: int
     model: str
     choices: list[CompletionChoice]
+    usage: Usage
+    object: str = "text_completion"
+    service_tier: None = None
+    system_fingerprint: None = None
+    kv_transfer_params: None = None
+
+
+class CompletionStreamChoice(msgspec.Struct):
+    """A streamed chunk's choice: the ids only when asked for (return_token_ids)."""
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class CompletionStreamResponse(msgspec.Struct):
+    """Each streamed chunk (usage null), and the final usage chunk (no choices) when asked for."""
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
     usage: Usage | None = None
     object: str = "text_completion"

@@ -14,6 +14,7 @@ import logging
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
 from tokenmill.sampling_params import ParamError
@@ -24,6 +25,9 @@ logger = logging.getLogger("tokenmill.server")
 # one (it rounds to 2**63, out of range); 2**63 - 1024 is the largest int64 a double holds exactly.
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# vLLM's reasoning_effort values (chat's reasoning_effort, the Responses API's reasoning.effort): passed to the chat
+# template as its `reasoning_effort` variable, as vLLM does; a template that does not read it ignores it
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 TOKEN_ID = "^[0-9]+$"
 
 
@@ -199,10 +203,11 @@ class PromptTokensDetails(msgspec.Struct):
 
 
 class Usage(msgspec.Struct):
+    """prompt_tokens_details as vLLM sends it: null in a whole response, absent from a stream's chunks."""
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None | UnsetType = UNSET
 
 
 class PromptLogprob(msgspec.Struct):

@@ -70,6 +70,9 @@ class ServerConfig(CliConfig):
                 "return_tokens_as_token_ids says otherwise"})
     enable_force_include_usage: bool = field(default=False, metadata={
         "help": "every stream carries usage: in each chunk and in a final usage chunk, whatever stream_options says"})
+    enable_prompt_tokens_details: bool = field(default=False, metadata={
+        "help": "usage carries prompt_tokens_details.cached_tokens (the prompt tokens found in the prefix cache) "
+                "when some were; a router that compares its predictions needs it"})
     enable_server_load_tracking: bool = field(default=False, metadata={
         "help": "count the generation and pooling requests in flight, for GET /load"})
     enable_tokenizer_info_endpoint: bool = field(default=False, metadata={

@@ -224,7 +224,8 @@ class ResumableStream:
             num_prompt = len(self.prompt_ids)
             usage = p.Usage(num_prompt, usage["completion_tokens"] + self.resumed_after,
                             num_prompt + usage["completion_tokens"] + self.resumed_after,
-                            msgspec.convert(usage.get("prompt_tokens_details"), p.PromptTokensDetails | None))
+                            msgspec.convert(usage.get("prompt_tokens_details"), p.PromptTokensDetails | None)
+                            or p.UNSET)
         choices = chunk.get("choices") or []
         if not choices:
             return self._event(self._usage_chunk(usage)) if usage is not None and self.wants_usage else None
@@ -250,15 +251,15 @@ class ResumableStream:
             if usage is not None:
                 out.usage = usage
             return out
-        choice = cp.CompletionChoice(0, text, None, finish_reason, stop_reason)
+        choice = cp.CompletionStreamChoice(0, text, None, finish_reason, stop_reason)
         if self.wants_ids:
             choice.token_ids = ids
-        return cp.CompletionResponse(self.id, self.created, self.model, [choice], usage)
+        return cp.CompletionStreamResponse(self.id, self.created, self.model, [choice], usage)
 
     def _usage_chunk(self, usage: p.Usage):
         if self.route == "chat":
             return chp.ChatCompletionUsageChunk(self.id, self.created, self.model, usage)
-        return cp.CompletionResponse(self.id, self.created, self.model, [], usage)
+        return cp.CompletionStreamResponse(self.id, self.created, self.model, [], usage)
 
     @staticmethod
     def _event(message) -> bytes:

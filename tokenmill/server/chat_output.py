@@ -78,8 +78,10 @@ class ChatOutputParser:
         content = "".join(self.content)
         if (self.tool_calls and not content.strip()) or (self.reasoning and not content):
             content = None
-        return chp.ChatResponseMessage(self.role, content, "".join(self.reasoning) if self.reasoning else None,
-                                       self.tool_calls or None)
+        message = chp.ChatResponseMessage(role=self.role, content=content, tool_calls=self.tool_calls)
+        if self.reasoning:
+            message.reasoning_content = "".join(self.reasoning)
+        return message
 
     # ---- routing ----
 

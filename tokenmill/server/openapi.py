@@ -21,7 +21,8 @@ from tokenmill.server import tokenization_protocol as tp
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
-RESPONSE_STRUCTS = (p.ErrorResponse, mp.ModelList, cp.CompletionResponse, chp.ChatCompletionResponse,
+RESPONSE_STRUCTS = (p.ErrorResponse, mp.ModelList, cp.CompletionResponse, cp.CompletionStreamResponse,
+                    chp.ChatCompletionResponse,
                     chp.ChatCompletionChunk, chp.ChatCompletionUsageChunk, tp.TokenizeResponse, tp.DetokenizeResponse,
                     *pp.RESPONSE_STRUCTS)
 
@@ -56,14 +57,14 @@ ERRORS = {
 # (path, method) → the media types and schemas of its 200 response. Its error statuses follow from what it takes
 # (_error_statuses), so that a route added elsewhere gets them too.
 OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
-    ("/v1/completions", "post"): {JSON: _ref("CompletionResponse"), SSE: _events("CompletionResponse")},
+    ("/v1/completions", "post"): {JSON: _ref("CompletionResponse"), SSE: _events("CompletionStreamResponse")},
     ("/v1/chat/completions", "post"): {JSON: _ref("ChatCompletionResponse"),
                                        SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk")},
     ("/v1/chat/completions/batch", "post"): {JSON: _ref("ChatCompletionResponse")},
     ("/invocations", "post"): {  # whichever endpoint the body's shape selects (invocations.py)
         JSON: {"anyOf": [_ref(name) for name in ("ChatCompletionResponse", "CompletionResponse", "EmbeddingResponse",
                                                  "ScoreResponse", "RerankResponse")]},
-        SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk", "CompletionResponse")},
+        SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk", "CompletionStreamResponse")},
     ("/load", "get"): {JSON: LOAD},
     ("/tokenizer_info", "get"): {JSON: TOKENIZER_INFO},
     ("/v1/models", "get"): {JSON: _ref("ModelList")},

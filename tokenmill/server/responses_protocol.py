@@ -6,12 +6,12 @@ Same conventions as tokenmill/api/protocol.py: a request accepts unknown fields 
 too, so that vLLM's sampling extras (top_k, seed, stop, ...) work here as on chat."""
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from pydantic import Field
 
-from tokenmill.api.protocol import Int, SamplingFields, _Request
+from tokenmill.api.protocol import Int, ReasoningEffort, SamplingFields, _Request
 
 # ============================== request ==============================
 
@@ -47,9 +47,24 @@ class InputItem(_Request):
     output: str | list[InputContentPart] | None = None
 
 
+class ReasoningConfig(_Request):
+    """`reasoning`: effort is the chat template's `reasoning_effort`, as chat's reasoning_effort (vLLM's
+    treatment of both); reasoning summaries are not produced, so `summary` must stay unset."""
+    effort: ReasoningEffort | None = None
+    summary: None = None
+    generate_summary: None = None
+
+
 class ResponsesRequest(SamplingFields):
     _UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "background": "", "conversation": ": send its items as input", "prompt": ": send its text as input"}
+        "background": "", "conversation": ": send its items as input", "prompt": ": send its text as input",
+        "include": "", "max_tool_calls": "", "top_logprobs": ""}
+    # the chat and completions extras that this endpoint does not read: refused, never ignored
+    _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
+        **SamplingFields._UNSUPPORTED_VLLM,
+        **{name: " on /v1/responses" for name in (
+            "stream_options", "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
+            "truncate_prompt_tokens", "truncation_side", "use_beam_search")}}
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: Int | None = Field(default=None, ge=1)
@@ -62,9 +77,21 @@ class ResponsesRequest(SamplingFields):
     background: Literal[False] = False
     conversation: None = None  # server-side objects that tokenmill does not keep
     prompt: None = None
-    reasoning: dict[str, Any] | None = None  # {"effort": ...}: echoed; the model reasons as its template says
+    reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None
-    truncation: str | None = None
+    # OpenAI's: "auto" drops the oldest input items until the prompt fits the context; "disabled", a 400
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    include: Annotated[list[str], Field(max_length=0)] | None = None
+    max_tool_calls: None = None
+    top_logprobs: Literal[0] | None = None
+    # SamplingFields' chat and completions extras, declared "off" here (the schema says so)
+    stream_options: None = None
+    prompt_logprobs: None = None
+    return_token_ids: Literal[False] | None = None
+    return_tokens_as_token_ids: Literal[False] | None = None
+    truncate_prompt_tokens: None = None
+    truncation_side: None = None
+    use_beam_search: Literal[False] = False
 
 
 # ============================== response ==============================

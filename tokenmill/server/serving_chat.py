@@ -39,8 +39,9 @@ class OpenAIServingChat(OpenAIServing):
         state = self.state
         lora = state.check_model(req.model)
         tool_mode, named_tool, tool_constraint = self.tool_choice(req)
-        rendered = [await state.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
-                                            req.chat_template_kwargs, req.tools) for messages in conversations]
+        kwargs = chp.template_kwargs(req.chat_template_kwargs, req.reasoning_effort)
+        rendered = [await state.render_chat(messages, req.add_generation_prompt, req.continue_final_message, kwargs,
+                                            req.tools) for messages in conversations]
         prompt_texts, prompts = [text for text, _ in rendered], [ids for _, ids in rendered]
         if req.add_special_tokens:  # vLLM: the rendered text tokenized with special tokens (a BOS) added
             prompts = await state.encode(prompt_texts)
@@ -191,17 +192,21 @@ class OpenAIServingChat(OpenAIServing):
             parts = parser.feed(d.text) if d.text else []
             if d.finish_reason is not None:
                 parts += parser.finish(cut_short=d.finish_reason == "length")
-            if (logprobs is not None or (return_token_ids and d.token_ids)) and not parts:
-                parts = [chp.DeltaMessage()]  # the text is held back for now; its logprobs and ids are not
-            events = [chunk(d.index, part, logprobs, token_ids=d.token_ids) if j == 0 else chunk(d.index, part)
-                      for j, part in enumerate(parts)]
-            if d.finish_reason is not None:
-                events.append(chunk(d.index, chp.DeltaMessage(), None, parser.finish_reason(d.finish_reason),
-                                    d.stop_reason))
+            finishing = d.finish_reason is not None
+            if (logprobs is not None or (return_token_ids and d.token_ids) or finishing) and not parts:
+                parts = [chp.DeltaMessage()]  # the text is held back for now; its logprobs, ids and end are not
+            # as vLLM: the last token's chunk carries finish_reason (no chunk of its own: a client counting chunks
+            # sees one per token, and continuous usage stops growing on a chunk with choices)
+            events = []
+            for j, part in enumerate(parts):
+                end = finishing and j == len(parts) - 1
+                events.append(chunk(d.index, part, logprobs if j == 0 else None,
+                                    parser.finish_reason(d.finish_reason) if end else None,
+                                    d.stop_reason if end else None, d.token_ids if j == 0 else None))
             return events
 
         def usage_event(num_tokens: int) -> bytes:
-            usage = self.usage([prompt_ids], num_tokens, stream.num_cached_tokens)
+            usage = self.usage([prompt_ids], num_tokens, stream.num_cached_tokens, streamed=True)
             return sse_event(chp.ChatCompletionUsageChunk(rid, created, model, usage))
 
         first = b"".join(chunk(i, chp.DeltaMessage(role=parsers[i].role, content=""), first=True) for i in range(n))

@@ -85,7 +85,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int, k: int,
                  as_ids: bool) -> cp.CompletionLogprobs:
         """entries: (token id, its logprobs or None, as for the first prompt token); offset: the text offset of the
-        first token; k: the alternatives to give (the token itself is always among them); as_ids: "token_id:N"."""
+        first token; k: the alternatives to give; as_ids: "token_id:N". As vLLM, each top_logprobs map holds the
+        token itself first, then the k alternatives (k + 1 entries when the token is not among them)."""
         out = cp.CompletionLogprobs()
         for token_id, e in entries:
             s = self.logprob_token(token_id, as_ids)
@@ -97,8 +98,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(e.logprob)
-            top = {self.logprob_token(t, as_ids): lp for t, lp in zip(e.top_token_ids[:k], e.top_logprobs[:k])}
-            top.setdefault(s, e.logprob)
+            top = {s: e.logprob}
+            for t, lp in zip(e.top_token_ids[:k], e.top_logprobs[:k]):
+                top[self.logprob_token(t, as_ids)] = lp
             out.top_logprobs.append(top)
         return out
 
@@ -113,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_ids_due = [return_token_ids] * num_choices  # vLLM sends them in each choice's first chunk
 
         def chunk(i: int, text: str, logprobs=None, finish_reason=None, stop_reason=None, token_ids=()) -> bytes:
-            choice = cp.CompletionChoice(i, text, logprobs, finish_reason, stop_reason)
+            choice = cp.CompletionStreamChoice(i, text, logprobs, finish_reason, stop_reason)
             if return_token_ids:
                 choice.token_ids = list(token_ids)
                 if prompt_ids_due[i]:
@@ -122,7 +124,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if continuous_usage:
                 num_prompt = len(prompts[i // n])
                 usage = p.Usage(num_prompt, num_tokens[i], num_prompt + num_tokens[i])
-            return sse_event(cp.CompletionResponse(rid, created, model, [choice], usage))
+            return sse_event(cp.CompletionStreamResponse(rid, created, model, [choice], usage))
 
         first = b"".join(chunk(i, echo_texts[i // n]) for i in range(num_choices)) if echo_texts else b""
 
@@ -135,14 +137,13 @@ class OpenAIServingCompletion(OpenAIServing):
             if d.logprobs:
                 logprobs = self.logprobs([(e.token_id, e) for e in d.logprobs], offsets[d.index], k, as_ids)
                 offsets[d.index] += sum(len(t) for t in logprobs.tokens)
-            if d.text or logprobs is not None or (return_token_ids and d.token_ids):
-                events.append(chunk(d.index, d.text, logprobs, token_ids=d.token_ids))
-            if d.finish_reason is not None:
-                events.append(chunk(d.index, "", None, d.finish_reason, d.stop_reason))
+            # as vLLM: the last token's chunk carries finish_reason (no chunk of its own)
+            if d.text or logprobs is not None or (return_token_ids and d.token_ids) or d.finish_reason is not None:
+                events.append(chunk(d.index, d.text, logprobs, d.finish_reason, d.stop_reason, d.token_ids))
             return events
 
         def usage_event(num_tokens: int) -> bytes:
-            usage = self.usage(prompts, 0 if echo_only else num_tokens, stream.num_cached_tokens)
-            return sse_event(cp.CompletionResponse(rid, created, model, [], usage))
+            usage = self.usage(prompts, 0 if echo_only else num_tokens, stream.num_cached_tokens, streamed=True)
+            return sse_event(cp.CompletionStreamResponse(rid, created, model, [], usage))
 
         return self.stream_response(stream, first, events_for, usage_event if include_usage else None)

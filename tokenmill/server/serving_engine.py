@@ -261,11 +261,15 @@ class OpenAIServing:
         except Exception:  # noqa: BLE001 - tracing must never fail a request
             logger.exception("could not record the trace of %s", stream.request_id)
 
-    @staticmethod
-    def usage(prompts: list[list[int]], num_completion_tokens: int, num_cached_tokens: int = 0) -> p.Usage:
+    def usage(self, prompts: list[list[int]], num_completion_tokens: int, num_cached_tokens: int = 0,
+              streamed: bool = False) -> p.Usage:
+        """prompt_tokens_details as vLLM sends it: only with --enable-prompt-tokens-details, and only when some of
+        the prompt was found in the prefix cache; otherwise null in a whole response, absent from a stream."""
         num_prompt = sum(len(ids) for ids in prompts)
-        return p.Usage(num_prompt, num_completion_tokens, num_prompt + num_completion_tokens,
-                       p.PromptTokensDetails(num_cached_tokens))
+        details = p.UNSET if streamed else None
+        if self.state.config.enable_prompt_tokens_details and num_cached_tokens:
+            details = p.PromptTokensDetails(num_cached_tokens)
+        return p.Usage(num_prompt, num_completion_tokens, num_prompt + num_completion_tokens, details)
 
     @staticmethod
     async def collect(stream: GenerationStream, num_choices: int) -> list[CollectedChoice]:

@@ -85,6 +85,15 @@ def to_chat_messages(items: list[rp.InputItem]) -> list[chp.ChatMessage]:
     return out
 
 
+def drop_oldest(messages: list[chp.ChatMessage]) -> list[chp.ChatMessage]:
+    """truncation "auto": the conversation without its oldest item, and without the tool results that answered a
+    call it dropped (a tool message cannot open a conversation)."""
+    i = 1
+    while i < len(messages) - 1 and messages[i].role == "tool":
+        i += 1
+    return messages[i:]
+
+
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     """The Responses API's flat function tools → chat's nested {"type": "function", "function": {...}}."""
     if not tools:
@@ -226,18 +235,24 @@ class OpenAIServingResponses(OpenAIServing):
             raise ParamError(f"a response has one output: n must be 1, got {req.n}", "n")
         items = [rp.InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
         conversation = self.previous_conversation(req.previous_response_id) + to_chat_messages(items)
-        messages = [chp.ChatMessage(role="system", content=req.instructions)] if req.instructions else []
-        messages += conversation
-        chat_req = chp.ChatCompletionRequest(messages=messages, tools=chat_tools(req.tools),
+        instructions = [chp.ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+        chat_req = chp.ChatCompletionRequest(messages=instructions + conversation, tools=chat_tools(req.tools),
                                              tool_choice=chat_tool_choice(req.tool_choice),
                                              parallel_tool_calls=req.parallel_tool_calls)
         tool_mode, named_tool, tool_constraint = self.chat.tool_choice(chat_req)
-        try:
-            prompt_text, prompt_ids = await state.render_chat(messages, True, False, None, chat_req.tools)
-        except ParamError as e:
-            if e.param != "messages":
-                raise
-            raise ParamError(str(e), "input") from None
+        kwargs = chp.template_kwargs(None, req.reasoning.effort if req.reasoning is not None else None)
+        context = conversation
+        while True:
+            try:
+                prompt_text, prompt_ids = await state.render_chat(instructions + context, True, False, kwargs,
+                                                                  chat_req.tools)
+            except ParamError as e:
+                if e.param != "messages":
+                    raise
+                raise ParamError(str(e), "input") from None
+            if req.truncation != "auto" or len(context) <= 1 or self.fits(prompt_ids, req.max_output_tokens):
+                break
+            context = drop_oldest(context)
         params = self.params(req, tool_constraint)
         stream = self.start(new_id("resp"), [prompt_ids], params, req.priority, raw, "responses", lora)
         echo = self.echo(req, stream.request_id, params, state.served_model_name(lora))
@@ -255,6 +270,10 @@ class OpenAIServingResponses(OpenAIServing):
         assembler.finish(choice.finish_reason == "length")
         return json_response(self.finished(echo, assembler, choice.finish_reason, prompt_ids, choice.num_tokens,
                                            conversation, req.store))
+
+    def fits(self, prompt_ids: list[int], max_output_tokens: int | None) -> bool:
+        """Whether the prompt and the tokens asked for (at least one) fit the context."""
+        return len(prompt_ids) + (max_output_tokens or 1) <= self.state.engine.max_model_len
 
     def retrieve(self, response_id: str) -> Response:
         stored = self.stored.get(response_id)
@@ -300,7 +319,9 @@ class OpenAIServingResponses(OpenAIServing):
                     tools=req.tools or [], text={"format": fmt.model_dump(by_alias=True, exclude_none=True)},
                     temperature=params.temperature, top_p=params.top_p, store=req.store,
                     instructions=req.instructions, max_output_tokens=req.max_output_tokens,
-                    previous_response_id=req.previous_response_id, reasoning=req.reasoning,
+                    previous_response_id=req.previous_response_id,
+                    reasoning=req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None,
+                    truncation=req.truncation or "disabled",
                     metadata=req.metadata or {}, user=req.user)
 
     def finished(self, echo: dict, assembler: OutputAssembler, finish_reason: str | None, prompt_ids: list[int],
