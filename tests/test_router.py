@@ -632,6 +632,63 @@ def test_load_correction_predictions_metrics_and_a_span_that_continues_tracepare
         receiver.server.shutdown()
 
 
+def test_every_endpoint_of_the_replicas_is_served_through_the_router(replicas_server):
+    """Each POST and GET a generate replica answers, through the router, answers as the replica does: the Responses
+    API (a response continued by previous_response_id, and read back, on whichever replica stores it), /invocations
+    in both of its generate shapes, batch chat, tokenize and detokenize, the pooling routes' answers for a generate
+    model, /version and /tokenizer_info."""
+    first, second = replicas_server
+    router = RouterProcess(_router_args(replicas_server, "round_robin"))
+
+    def both(method: str, path: str, body: dict | None = None) -> tuple[httpx.Response, httpx.Response]:
+        via, direct = (httpx.request(method, url + path, json=body, timeout=120) for url in (router.url, first.url))
+        return via, direct
+
+    def same(via: httpx.Response, direct: httpx.Response, drop=("id", "created", "created_at", "usage")) -> None:
+        assert via.status_code == direct.status_code, (via.text, direct.text)
+        strip = (lambda j: {k: v for k, v in j.items() if k not in drop} if isinstance(j, dict) else j)
+        assert strip(via.json()) == strip(direct.json())
+
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3,
+                "temperature": 0}
+        for path, body in [("/tokenize", {"model": MODEL, "prompt": "Hello world"}),
+                           ("/tokenize", {"model": MODEL, "messages": chat["messages"]}),
+                           ("/detokenize", {"model": MODEL, "tokens": [19556, 905]}),
+                           ("/v1/embeddings", {"model": MODEL, "input": "Hi"}),
+                           ("/pooling", {"model": MODEL, "input": "Hi"}),
+                           ("/score", {"model": MODEL, "text_1": "a", "text_2": "b"}),
+                           ("/v1/score", {"model": MODEL, "text_1": "a", "text_2": "b"}),
+                           ("/rerank", {"model": MODEL, "query": "a", "documents": ["b"]}),
+                           ("/v1/rerank", {"model": MODEL, "query": "a", "documents": ["b"]}),
+                           ("/v2/rerank", {"model": MODEL, "query": "a", "documents": ["b"]}),
+                           ("/invocations", chat),
+                           ("/invocations", {"model": MODEL, "prompt": "The sky is", "max_tokens": 3,
+                                             "temperature": 0}),
+                           ("/v1/chat/completions/batch", {**chat, "messages": [chat["messages"]] * 2})]:
+            via, direct = both("POST", path, body)
+            same(via, direct)
+            assert via.headers["x-tokenmill-replica"] in (first.url, second.url)
+        for path in ("/version", "/tokenizer_info"):
+            same(*both("GET", path))
+
+        created = httpx.post(router.url + "/v1/responses", timeout=120, json={
+            "model": MODEL, "input": "Name a colour.", "max_output_tokens": 3, "temperature": 0})
+        assert created.status_code == 200, created.text
+        home, response_id = created.headers["x-tokenmill-replica"], created.json()["id"]
+        # round robin asks the other replica first: it answers 404, and the one that stores the response is asked
+        follow = httpx.post(router.url + "/v1/responses", timeout=120, json={
+            "model": MODEL, "input": "Another.", "max_output_tokens": 3, "temperature": 0,
+            "previous_response_id": response_id})
+        assert follow.status_code == 200, follow.text
+        assert follow.headers["x-tokenmill-replica"] == home and follow.headers["x-tokenmill-route-reason"] == "retry"
+        stored = httpx.get(f"{router.url}/v1/responses/{response_id}", timeout=30)
+        assert stored.status_code == 200 and stored.json()["id"] == response_id
+        assert httpx.get(f"{router.url}/v1/responses/resp_unknown", timeout=30).status_code == 404
+    finally:
+        router.stop()
+
+
 @pytest.fixture(scope="module")
 def adapter_dir(hf_reference, tmp_path_factory) -> str:
     """A random PEFT adapter on the default model (rank 4, q_proj and v_proj)."""
