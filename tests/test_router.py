@@ -8,11 +8,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
-import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +19,8 @@ import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import (SERVER_ARGS, SYSTEMS, OtlpReceiver, RemoteServer, cached_tokens, free_port,
-                     prefix_workload_homes, router_chat, stop_process, wait_until)
+from helpers import (MODEL, SERVER_ARGS, SYSTEMS, OtlpReceiver, RemoteServer, RouterProcess, cached_tokens, free_port,
+                     make_adapter, prefix_workload_homes, wait_until)
 
 from tokenmill.config import KVEventsConfig
 from tokenmill.engine.block_hash import hash_block_tokens
@@ -301,47 +297,18 @@ def test_what_can_be_resumed():
 
 # ---------------- two real replicas of the default model, and the router in front of them ----------------
 
-class RouterProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-router-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "tokenmill.cli", "router", "--port", str(self.port),
-               "--health-check-interval", "0.5", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log_tail()
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the router did not become healthy:\n{self.log_tail()}")
-
-    def log_tail(self) -> str:
-        with open(self.log.name) as f:
-            return f.read()[-4000:]
-
-    def chat(self, content: str, system: str = "") -> httpx.Response:
-        return router_chat(self.url, content, system)
-
-    def stop(self) -> None:
-        stop_process(self.proc, 15)
-        self.log.close()
-        os.unlink(self.log.name)
-
-
 @pytest.fixture(scope="module")
 def replicas_server():
-    """Two replicas, each publishing KV events with a replay socket; one torch thread each (2 cores)."""
+    """Two replicas, each publishing KV events with a replay socket, with LoRA adapters loadable at run time; one
+    torch thread each (2 cores)."""
     def start() -> RemoteServer:
         pub, replay = free_port(), free_port()
         # a wildcard address is bound (vLLM's rule; a concrete one is connected to)
         events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
                   "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv"}
-        server = RemoteServer(["--kv-events-config", json.dumps(events)], env={"OMP_NUM_THREADS": "1"},
+        server = RemoteServer(["--kv-events-config", json.dumps(events), "--enable-lora", "--max-loras", "2",
+                               "--max-lora-rank", "4"],
+                              env={"OMP_NUM_THREADS": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"},
                               server_args=[*SERVER_ARGS, "--kv-cache-memory", "128MiB", "--disable-log-stats",
                                            "--enable-prompt-tokens-details"])
         server.kv_endpoints = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
@@ -663,6 +630,167 @@ def test_load_correction_predictions_metrics_and_a_span_that_continues_tracepare
     finally:
         router.stop()
         receiver.server.shutdown()
+
+
+def test_every_endpoint_of_the_replicas_is_served_through_the_router(replicas_server):
+    """Each POST and GET a generate replica answers, through the router, answers as the replica does: the Responses
+    API (a response continued by previous_response_id, and read back, on whichever replica stores it), /invocations
+    in both of its generate shapes, batch chat, tokenize and detokenize, the pooling routes' answers for a generate
+    model, /version and /tokenizer_info."""
+    first, second = replicas_server
+    router = RouterProcess(_router_args(replicas_server, "round_robin"))
+
+    def both(method: str, path: str, body: dict | None = None) -> tuple[httpx.Response, httpx.Response]:
+        via, direct = (httpx.request(method, url + path, json=body, timeout=120) for url in (router.url, first.url))
+        return via, direct
+
+    def same(via: httpx.Response, direct: httpx.Response, drop=("id", "created", "created_at", "usage")) -> None:
+        assert via.status_code == direct.status_code, (via.text, direct.text)
+        strip = (lambda j: {k: v for k, v in j.items() if k not in drop} if isinstance(j, dict) else j)
+        assert strip(via.json()) == strip(direct.json())
+
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3,
+                "temperature": 0}
+        for path, body in [("/tokenize", {"model": MODEL, "prompt": "Hello world"}),
+                           ("/tokenize", {"model": MODEL, "messages": chat["messages"]}),
+                           ("/detokenize", {"model": MODEL, "tokens": [19556, 905]}),
+                           ("/v1/embeddings", {"model": MODEL, "input": "Hi"}),
+                           ("/pooling", {"model": MODEL, "input": "Hi"}),
+                           ("/score", {"model": MODEL, "text_1": "a", "text_2": "b"}),
+                           ("/v1/score", {"model": MODEL, "text_1": "a", "text_2": "b"}),
+                           ("/rerank", {"model": MODEL, "query": "a", "documents": ["b"]}),
+                           ("/v1/rerank", {"model": MODEL, "query": "a", "documents": ["b"]}),
+                           ("/v2/rerank", {"model": MODEL, "query": "a", "documents": ["b"]}),
+                           ("/invocations", chat),
+                           ("/invocations", {"model": MODEL, "prompt": "The sky is", "max_tokens": 3,
+                                             "temperature": 0}),
+                           ("/v1/chat/completions/batch", {**chat, "messages": [chat["messages"]] * 2})]:
+            via, direct = both("POST", path, body)
+            same(via, direct)
+            assert via.headers["x-tokenmill-replica"] in (first.url, second.url)
+        for path in ("/version", "/tokenizer_info"):
+            same(*both("GET", path))
+
+        created = httpx.post(router.url + "/v1/responses", timeout=120, json={
+            "model": MODEL, "input": "Name a colour.", "max_output_tokens": 3, "temperature": 0})
+        assert created.status_code == 200, created.text
+        home, response_id = created.headers["x-tokenmill-replica"], created.json()["id"]
+        # round robin asks the other replica first: it answers 404, and the one that stores the response is asked
+        follow = httpx.post(router.url + "/v1/responses", timeout=120, json={
+            "model": MODEL, "input": "Another.", "max_output_tokens": 3, "temperature": 0,
+            "previous_response_id": response_id})
+        assert follow.status_code == 200, follow.text
+        assert follow.headers["x-tokenmill-replica"] == home and follow.headers["x-tokenmill-route-reason"] == "retry"
+        stored = httpx.get(f"{router.url}/v1/responses/{response_id}", timeout=30)
+        assert stored.status_code == 200 and stored.json()["id"] == response_id
+        assert httpx.get(f"{router.url}/v1/responses/resp_unknown", timeout=30).status_code == 404
+    finally:
+        router.stop()
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(hf_reference, tmp_path_factory) -> str:
+    """A random PEFT adapter on the default model (rank 4, q_proj and v_proj)."""
+    path = str(tmp_path_factory.mktemp("router-lora") / "qv-r4")
+    make_adapter(hf_reference, path, 0, 0.06, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    return path
+
+
+def _adapter(url: str, action: str, key: str | None = None, **body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{url}/v1/{action}_lora_adapter", json=body, headers=headers, timeout=120)
+
+
+def test_adapter_requests_are_predicted_with_each_replicas_adapter_keys(replicas_server, adapter_dir):
+    """An adapter's blocks are keyed with the id each replica gave it (here 2 on one replica, 1 on the other, as one
+    had loaded another adapter first): the router's predicted cached tokens are the engine's for adapter requests on
+    both replicas, none for the base model's same prompt, and none right after the adapter is loaded anew (a new
+    id, so a cold cache), then again the engine's."""
+    first, second = replicas_server
+    router = RouterProcess(_router_args(replicas_server, "round_robin"))
+    prompt = "An adapter keys its own prefix blocks, apart from the base model's. " * 8  # ~130 tokens
+
+    def ask(url: str, model: str) -> tuple[str, int, int]:
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        time.sleep(0.3)  # the step's events reach the router
+        return (r.headers.get("x-tokenmill-replica"), int(r.headers.get("x-tokenmill-predicted-cached-tokens", -1)),
+                r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    try:
+        assert _adapter(first.url, "load", lora_name="first-only", lora_path=adapter_dir).status_code == 200
+        loaded = _adapter(router.url, "load", lora_name="keyed", lora_path=adapter_dir)
+        assert loaded.status_code == 200, loaded.text
+        assert {(a["replica"], a["status"]) for a in loaded.json()["replicas"]} == {(first.url, 200),
+                                                                                    (second.url, 200)}
+        for replica in replicas_server:  # each replica caches the prompt under its own id for the adapter
+            assert ask(replica.url, "keyed")[2] == 0
+        asked = [ask(router.url, "keyed") for _ in range(2)]  # round robin: one on each
+        assert {replica for replica, _, _ in asked} == {first.url, second.url}
+        assert all(predicted == cached >= 112 for _, predicted, cached in asked), asked
+        assert all(predicted == cached == 0 for _, predicted, cached in (ask(router.url, MODEL) for _ in range(2)))
+
+        again = _adapter(router.url, "load", lora_name="keyed", lora_path=adapter_dir, load_inplace=True)
+        assert again.status_code == 200, again.text
+        cold = [ask(router.url, "keyed") for _ in range(2)]
+        assert all(predicted == cached == 0 for _, predicted, cached in cold), cold
+        warm = [ask(router.url, "keyed") for _ in range(2)]
+        assert all(predicted == cached >= 112 for _, predicted, cached in warm), warm
+        assert _metric(router, "tokenmill_router:cache_predictions_total", outcome="exact") == 8
+    finally:
+        for replica in replicas_server:
+            for name in ("keyed", "first-only"):
+                _adapter(replica.url, "unload", lora_name=name)
+        router.stop()
+
+
+def test_adapter_load_and_unload_fan_out_and_adapter_requests_go_where_it_is_loaded(replicas_server, adapter_dir,
+                                                                                      tmp_path):
+    """vLLM's load/unload through the router reach every replica a tenant may use, and the answer names which took
+    it and which failed with what; an adapter's requests then go only to the replicas that hold it."""
+    first, second = replicas_server
+    keys = {"key-pool": {"tenant": "pool", "replicas": [second.url]}, "key-all": {"tenant": "all"}}
+    (tmp_path / "tenants.json").write_text(json.dumps(keys))
+    router = RouterProcess([*_router_args(replicas_server, "round_robin"),
+                            "--tenants-config", str(tmp_path / "tenants.json")])
+
+    def ask(model: str) -> httpx.Response:
+        return httpx.post(router.url + "/v1/completions", headers={"Authorization": "Bearer key-all"}, timeout=120,
+                          json={"model": model, "prompt": "Hello", "max_tokens": 1})
+
+    try:
+        pooled = _adapter(router.url, "load", "key-pool", lora_name="pooled", lora_path=adapter_dir)
+        assert pooled.status_code == 200, pooled.text
+        assert [(a["replica"], a["status"]) for a in pooled.json()["replicas"]] == [(second.url, 200)]
+        answers = [ask("pooled") for _ in range(4)]  # round robin would alternate; only one replica holds it
+        assert [(r.status_code, r.headers["x-tokenmill-replica"]) for r in answers] == [(200, second.url)] * 4
+        assert {r.headers["x-tokenmill-replica"] for r in (ask(MODEL) for _ in range(2))} == {first.url, second.url}
+        models = httpx.get(router.url + "/v1/models", headers={"Authorization": "Bearer key-all"}, timeout=10)
+        assert [m["id"] for m in models.json()["data"]] == [MODEL, "pooled"]
+
+        # taken by one replica, refused by the other: the error names both
+        partial = _adapter(router.url, "load", "key-all", lora_name="pooled", lora_path=adapter_dir)
+        assert partial.status_code == 502
+        error = partial.json()["error"]
+        assert f"{second.url} answered 400" in error["message"] and "already been loaded" in error["message"]
+        assert f"it succeeded on {first.url}" in error["message"]
+        assert {(a["replica"], a["status"]) for a in partial.json()["replicas"]} == {(first.url, 200),
+                                                                                     (second.url, 400)}
+        missing = _adapter(router.url, "load", "key-all", lora_name="missing", lora_path=str(tmp_path / "none"))
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+        by_id = _adapter(router.url, "unload", "key-all", lora_int_id=1)
+        assert by_id.status_code == 400 and by_id.json()["error"]["param"] == "lora_int_id"
+
+        gone = _adapter(router.url, "unload", "key-all", lora_name="pooled")
+        assert gone.status_code == 200, gone.text
+        assert len(gone.json()["replicas"]) == 2
+        assert ask("pooled").status_code == 404  # no replica serves it: a replica's own answer
+    finally:
+        for replica in replicas_server:
+            _adapter(replica.url, "unload", lora_name="pooled")
+        router.stop()
 
 
 def test_a_replica_killed_mid_stream_the_stream_resumes_and_later_requests_are_retried(replicas_server):

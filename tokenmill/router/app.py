@@ -25,7 +25,14 @@ from tokenmill.router.kv_index import KVEventFeeds, KVIndex
 from tokenmill.router.metrics import CONTENT_TYPE, RouterMetrics
 from tokenmill.router.policy import make_policy
 from tokenmill.router.prompt_tokens import PromptTokenizer
-from tokenmill.router.proxy import RouterState, forward, forward_get
+from tokenmill.router.proxy import (
+    ADAPTER_PATHS,
+    RouterState,
+    fan_out_adapter,
+    forward,
+    forward_get,
+    list_models,
+)
 from tokenmill.router.replicas import Replica, ReplicaClient, ReplicaSet
 from tokenmill.router.router_config import RouterConfig
 from tokenmill.router.tenants import AdmissionQueue, TenantRegistry, load_tenants
@@ -76,7 +83,15 @@ def load_router_tokenizer(config: RouterConfig):
 
 # The data path: served by RouterGate itself, ahead of Starlette's routing and middleware, which were a
 # measurable share of the router's CPU per request (every request of a burst waits for the ones before it)
-FORWARDED_POSTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "other"}
+# Every POST `tokenmill serve` answers (tokenmill/server/api_server.py), with how the router reads its prompt:
+# chat and completions (and /invocations, either) are routed by their cached prefix; the rest by load and model.
+FORWARDED_POSTS = {
+    "/v1/chat/completions": "chat", "/v1/completions": "completions", "/invocations": "invocations",
+    "/v1/responses": "responses",
+    **dict.fromkeys(("/v1/chat/completions/batch", "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank",
+                     "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize"), "other")}
+# GETs that any replica answers alike
+FORWARDED_GETS = ("/version", "/tokenizer_info")
 
 
 class RouterGate:
@@ -138,7 +153,16 @@ def build_app(state: RouterState, lifecycle: Lifecycle | None = None):
                 state.tracer.shutdown()
 
     async def models(request: Request):
-        return await forward_get(state, "/v1/models")
+        return await list_models(state, request)
+
+    async def get_any(request: Request):
+        return await forward_get(state, request)
+
+    async def stored_response(request: Request):
+        return await forward_get(state, request, skip_not_found=True)
+
+    async def adapter(request: Request):
+        return await fan_out_adapter(state, request, request.url.path)
 
     async def health(request: Request):
         if lifecycle.phase != "ready":
@@ -165,6 +189,9 @@ def build_app(state: RouterState, lifecycle: Lifecycle | None = None):
     app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: on_http_error}, routes=[
         *(Route(path, not_served_here, methods=["POST"]) for path in FORWARDED_POSTS),
         Route("/v1/models", models, methods=["GET"]),
+        *(Route(path, get_any, methods=["GET"]) for path in FORWARDED_GETS),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
+        *(Route(path, adapter, methods=["POST"]) for path in ADAPTER_PATHS),
         Route("/health", health, methods=["GET"]),
         Route("/health/ready", health, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),

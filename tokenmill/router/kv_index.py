@@ -5,6 +5,12 @@ and evicts (tokenmill/engine/kv_events.py), and the router computes a prompt's k
 (tokenmill/engine/block_hash.py). The predicted hit is the longest run of the prompt's leading keys in the set,
 capped as the engine caps it (the last prompt token is always computed).
 
+A LoRA adapter's blocks are keyed with its extra keys, which hold the id the replica gave it when it loaded it
+(tokenmill/lora/request.py), so each replica keys one adapter differently. The router learns them where the
+engine states them: each BlockStored event carries its blocks' extra keys with the adapter's name and id. A
+replica that has stored no block of an adapter holds none of its prefixes, so it needs no key for it; when an
+adapter is loaded anew (a new id) or unloaded, its old key is forgotten and events with older ids are ignored.
+
 Sequence numbers keep it honest: a gap is filled from the replica's replay socket, and a sequence number that
 goes backwards means the engine restarted, so everything known of the old process is dropped."""
 from __future__ import annotations
@@ -50,6 +56,10 @@ class KVIndex:
         self.num_gaps = 0
         self.num_restarts = 0
         self._warned_block_size = False
+        # a LoRA adapter's name → (its id, the extra keys its blocks are hashed with), from BlockStored events
+        self.adapter_keys: dict[str, tuple[int, tuple]] = {}
+        self._adapter_floor: dict[str, int] = {}  # an adapter name → the lowest id still current (forget_adapter)
+        self._max_adapter_id = 0  # the replica numbers every load from one counter
 
     def predicted_cached_tokens(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -61,6 +71,24 @@ class KVIndex:
 
     def clear(self) -> None:
         self.blocks.clear()
+        self.adapter_keys.clear()  # a new process numbers its adapters anew
+        self._adapter_floor.clear()
+        self._max_adapter_id = 0
+
+    def forget_adapter(self, name: str) -> None:
+        """The adapter was unloaded or loaded again (with a new id, above every id before it): its key so far
+        finds no block in the engine."""
+        self.adapter_keys.pop(name, None)
+        self._adapter_floor[name] = self._max_adapter_id + 1
+
+    def _learn_adapter(self, event: BlockStored) -> None:
+        if event.lora_name is None or event.lora_id is None or not event.extra_keys or event.extra_keys[0] is None:
+            return
+        self._max_adapter_id = max(self._max_adapter_id, event.lora_id)
+        known = self.adapter_keys.get(event.lora_name)
+        if event.lora_id < self._adapter_floor.get(event.lora_name, 0) or (known and known[0] >= event.lora_id):
+            return  # a request that ran with an older load of this name
+        self.adapter_keys[event.lora_name] = (event.lora_id, _frozen(event.extra_keys[0]))
 
     def apply(self, batch: KVEventBatch) -> None:
         for event in batch.events:
@@ -70,10 +98,16 @@ class KVIndex:
                     logger.warning("%s stores blocks of %d tokens but the router hashes blocks of %d: set "
                                    "--block-size %d", self.name, event.block_size, self.block_size, event.block_size)
                 self.blocks.update(event.block_hashes)
+                self._learn_adapter(event)
             elif isinstance(event, BlockRemoved):
                 self.blocks.difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.blocks.clear()
+
+
+def _frozen(value):
+    """Decoded msgpack arrays as tuples: hashable, and encoded as the engine encoded them."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 class KVEventSubscriber:

@@ -15,8 +15,10 @@ import bisect
 import hashlib
 import itertools
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from tokenmill.router.kv_index import prompt_block_hashes
 from tokenmill.router.replicas import Replica
 
 VIRTUAL_NODES = 64  # ring points per replica: spreads sessions evenly with a handful of replicas
@@ -24,10 +26,28 @@ VIRTUAL_NODES = 64  # ring points per replica: spreads sessions evenly with a ha
 
 @dataclass
 class RouteRequest:
-    """What a policy may look at: the prompt's block keys and length, and the session key if any."""
-    block_hashes: list[bytes]
+    """What a policy may look at: the prompt's block keys and length, the session key if any, and the model it
+    names (a LoRA adapter's blocks are keyed as each replica keys that adapter: block_hashes_on)."""
+    block_hashes: list[bytes]  # as the base model's blocks are keyed
     num_prompt_tokens: int
     session_key: str | None = None
+    model: str | None = None
+    token_ids: Sequence[int] = ()
+    adapter_hashes: dict[tuple, list[bytes]] = field(default_factory=dict)  # by the adapter's extra keys
+
+    def block_hashes_on(self, replica: Replica) -> list[bytes]:
+        """The prompt's block keys on `replica`: an adapter's, with the extra keys its KV events showed (none
+        seen: it holds no block of that adapter), else the base model's."""
+        if self.model is None or replica.serves_as_base(self.model):
+            return self.block_hashes
+        known = replica.index.adapter_keys.get(self.model)
+        if known is None:
+            return []
+        keys = known[1]
+        hashes = self.adapter_hashes.get(keys)
+        if hashes is None:
+            hashes = self.adapter_hashes[keys] = prompt_block_hashes(self.token_ids, replica.index.block_size, keys)
+        return hashes
 
 
 @dataclass
@@ -52,7 +72,7 @@ class Policy:
 
 
 def _predictions(replicas: list[Replica], request: RouteRequest) -> dict[Replica, int]:
-    return {r: r.index.predicted_cached_tokens(request.block_hashes) for r in replicas}
+    return {r: r.index.predicted_cached_tokens(request.block_hashes_on(r)) for r in replicas}
 
 
 class RoundRobin(Policy):

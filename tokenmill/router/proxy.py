@@ -26,7 +26,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenmill.api.errors import error_response
+from tokenmill.api.errors import HTTP_ERROR_TYPES, error_response
 from tokenmill.router.kv_index import KVEventFeeds, prompt_block_hashes
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Policy, RouteRequest
@@ -64,12 +64,35 @@ class RouterState:
 
 
 def _route_request(state: RouterState, route: str, body: dict | None, session_header: str | None) -> RouteRequest:
-    token_ids = state.tokenizer.token_ids(route, body) if body is not None and route != "other" else None
-    if token_ids is None:
-        return RouteRequest([], 0, session_header)
-    hashes = prompt_block_hashes(token_ids, state.config.block_size)
-    user = body.get("user")
-    return RouteRequest(hashes, len(token_ids), session_header or (user if isinstance(user, str) else None))
+    model = body.get("model") if body is not None else None
+    model = model if isinstance(model, str) else None
+    kind = prompt_kind(route, body)
+    token_ids = state.tokenizer.token_ids(kind, body) if kind is not None else None
+    user = body.get("user") if body is not None else None
+    session_key = session_header or (user if isinstance(user, str) else None)
+    return route_request_for(state, token_ids or [], model, session_key)
+
+
+def prompt_kind(route: str, body: dict | None) -> str | None:
+    """How the router reads the request's prompt (chat or completions), or None where it has none to route by.
+    /invocations holds either, told apart by its fields as the server tells them (chat first)."""
+    if body is None:
+        return None
+    if route == "invocations":
+        return "chat" if "messages" in body else "completions" if "prompt" in body else None
+    return route if route in ("chat", "completions") else None
+
+
+def route_request_for(state: RouterState, token_ids: list[int], model: str | None,
+                      session_key: str | None) -> RouteRequest:
+    """The request's route: its block keys as each replica keys them (a LoRA adapter's differ by replica),
+    computed here, off the event loop for a long prompt."""
+    request = RouteRequest(prompt_block_hashes(token_ids, state.config.block_size), len(token_ids), session_key,
+                           model, token_ids)
+    if token_ids and model is not None:
+        for replica in state.replicas.replicas:
+            request.block_hashes_on(replica)
+    return request
 
 
 @dataclass(eq=False)
@@ -172,7 +195,8 @@ async def _disconnected(receive) -> None:
 
 
 async def forward(state: RouterState, request: Request, path: str, route: str) -> Response:
-    """POST `path` to the best replica for this request; `route` is chat, completions or other (no prompt)."""
+    """POST `path` to the best replica for this request; `route` is chat, completions, invocations (either),
+    responses or other (no prompt the router reads)."""
     arrived = time.perf_counter()
     tenant = None
     if state.tenants is not None:
@@ -252,7 +276,11 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
         raw = ex.stream.upstream_body()
     last_failure = ""
     streaming = bool(body and body.get("stream"))
-    for attempt, replica in enumerate(plan.ranked[:state.config.max_attempts]):
+    # a Responses request that continues a stored response goes where that response is stored: each replica
+    # answers 404 for the ones it does not hold, and the next is asked
+    find_previous = route == "responses" and body is not None and body.get("previous_response_id") is not None
+    attempts = plan.ranked if find_previous else plan.ranked[:state.config.max_attempts]
+    for attempt, replica in enumerate(attempts):
         if attempt == 0:
             state.metrics.overhead.observe(time.perf_counter() - arrived)
         reason = plan.reason if attempt == 0 else "retry"
@@ -261,6 +289,9 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
             last_failure = opened
             continue
         upstream, first, chunks = opened
+        if find_previous and upstream.status == 404 and attempt + 1 < len(attempts):
+            await ex.release_upstream()
+            continue
         ex.predicted, ex.committed = plan.predicted_cached_tokens.get(replica, 0), replica
         state.metrics.prompt_tokens.labels(replica.name).inc(ex.route_request.num_prompt_tokens)
         state.metrics.predicted_cached_tokens.labels(replica.name).inc(ex.predicted)
@@ -283,9 +314,17 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
 
 
 def _routable_for(state: RouterState, ex: Exchange) -> list[Replica]:
-    """The admitted replicas this request may go to: its tenant's, if the tenant names any."""
+    """The admitted replicas this request may go to: its tenant's, if the tenant names any, and of those the ones
+    that serve its model (a LoRA adapter loaded on some replicas only). If none lists the model, all are
+    candidates: the replica's answer (404 for an unknown model) is the truthful one."""
     routable = state.replicas.routable()
-    return ex.tenant.may_use(routable) if ex.tenant is not None else routable
+    if ex.tenant is not None:
+        routable = ex.tenant.may_use(routable)
+    model = ex.route_request.model
+    if model is not None:
+        serving = [r for r in routable if r.serves(model)]
+        routable = serving or routable
+    return routable
 
 
 async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, content: bytes, reason: str,
@@ -400,8 +439,7 @@ async def _open_resumed(state: RouterState, ex: Exchange):
     candidates = [r for r in _routable_for(state, ex) if r not in ex.tried]
     if not candidates:
         return "no other replica is admitted"
-    route_request = RouteRequest(prompt_block_hashes(prompt, state.config.block_size), len(prompt),
-                                 ex.route_request.session_key)
+    route_request = route_request_for(state, prompt, ex.route_request.model, ex.route_request.session_key)
     last_failure = ""
     for replica in state.policy.rank(candidates, route_request).ranked[:state.config.max_attempts]:
         opened = await _open(state, ex, replica, "/v1/completions", content, "resume")
@@ -429,14 +467,121 @@ def _unavailable(message: str) -> Response:
     return response
 
 
-async def forward_get(state: RouterState, path: str) -> Response:
-    """A GET that any replica answers alike (/v1/models): the first admitted replica that answers."""
+def _get_headers(state: RouterState, request: Request) -> dict[str, str]:
+    """The client's headers for a GET to a replica (its API key included, unless the router's tenants own it)."""
+    return {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST_HEADERS
+            and not (state.tenants is not None and k.lower() == "authorization")}
+
+
+async def forward_get(state: RouterState, request: Request, skip_not_found: bool = False) -> Response:
+    """A GET that any replica answers alike (/version, /tokenizer_info): the first admitted replica that answers.
+    With skip_not_found (a stored response, held by one replica), the first that does not answer 404."""
+    answer, path, headers = None, request.url.path, _get_headers(state, request)
     for replica in state.replicas.routable():
         try:
-            status, body, upstream_headers = await state.client.get(replica.url + path)
+            status, body, upstream_headers = await state.client.get(replica.url + path, None, headers)
         except TRANSPORT_ERRORS as e:
             state.replicas.eject(replica, f"{type(e).__name__} while proxying")
             continue
         headers = {k: v for k, v in upstream_headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
-        return Response(body, status_code=status, headers=headers)
-    return _unavailable("no replica is admitted")
+        answer = Response(body, status_code=status, headers=headers)
+        if not (skip_not_found and status == 404):
+            return answer
+    return answer or _unavailable("no replica is admitted")
+
+
+async def list_models(state: RouterState, request: Request) -> Response:
+    """/v1/models: every model any admitted replica serves (a LoRA adapter may be loaded on some only), once; a
+    replica's refusal (a 401: the client's key is wrong) is passed on if no replica lists any."""
+    replicas, headers = state.replicas.routable(), _get_headers(state, request)
+    answers = await asyncio.gather(*(state.client.get(r.url + "/v1/models", state.config.request_timeout, headers)
+                                     for r in replicas), return_exceptions=True)
+    cards: dict[str, dict] = {}
+    refusal = None
+    for replica, answer in zip(replicas, answers):
+        if isinstance(answer, BaseException):
+            if not isinstance(answer, TRANSPORT_ERRORS):
+                raise answer
+            state.replicas.eject(replica, f"{type(answer).__name__} while proxying")
+            continue
+        status, body, upstream_headers = answer
+        if status == 200:
+            for card in msgspec.json.decode(body).get("data", []):
+                cards.setdefault(card["id"], card)
+        else:
+            refusal = Response(body, status_code=status, headers={
+                k: v for k, v in upstream_headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS})
+    if not cards:
+        return refusal or _unavailable("no replica is admitted")
+    return Response(msgspec.json.encode({"object": "list", "data": list(cards.values())}),
+                    media_type="application/json")
+
+
+ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+async def fan_out_adapter(state: RouterState, request: Request, path: str) -> Response:
+    """vLLM's LoRA load and unload, on every replica (a tenant's own, if its key names some): 200 if every one
+    took it, else the error shape (the replicas' status if they agree, else 502) naming which took it and which
+    failed with what; `replicas` lists each one's answer either way. The replicas that took it are asked for their
+    models at once, so the adapter's requests go only where it is loaded from the next request on."""
+    tenant = None
+    if state.tenants is not None:
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        if tenant is None:
+            return error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                                  "authentication_error")
+    raw = await request.body()
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        body = None
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if isinstance(body, dict) and path.endswith("unload_lora_adapter") and not name and body.get("lora_int_id"):
+        return error_response(400, "through the router, unload an adapter by its lora_name: each replica numbers "
+                                   "its adapters itself", "invalid_request_error", "lora_int_id")
+    targets = state.replicas.replicas if tenant is None else tenant.may_use(state.replicas.replicas)
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST_HEADERS
+               and not (tenant is not None and k.lower() == "authorization")}
+
+    async def one(replica: Replica) -> tuple[int, str]:
+        try:
+            upstream = await state.client.post(replica.url, path, raw, headers)
+        except TRANSPORT_ERRORS as e:
+            return 502, f"{type(e).__name__} connecting to the replica"
+        try:
+            text = (await upstream.read()).decode(errors="replace")
+        except TRANSPORT_ERRORS as e:
+            return 502, f"{type(e).__name__} reading the replica's answer"
+        finally:
+            upstream.release(answer_over=True)
+        if upstream.status != 200:
+            try:
+                text = msgspec.json.decode(text)["error"]["message"]
+            except (msgspec.DecodeError, KeyError, TypeError):
+                pass
+        return upstream.status, text
+
+    answers = await asyncio.gather(*(one(r) for r in targets))
+    if isinstance(name, str):
+        for replica, (status, _) in zip(targets, answers):
+            if status == 200:
+                replica.index.forget_adapter(name)  # unloaded, or loaded anew under a new id
+    await asyncio.gather(*(state.replicas.read_models(r) for r in targets))
+    replicas = [{"replica": r.url, "status": status, "message": text} for r, (status, text) in zip(targets, answers)]
+    failed = [a for a in replicas if a["status"] != 200]
+    if not failed and targets:
+        return Response(msgspec.json.encode({"message": f"{len(targets)} of {len(targets)} replicas: "
+                                             f"{answers[0][1]}", "replicas": replicas}), media_type="application/json")
+    if not targets:
+        return error_response(503, "no replica to load or unload the adapter on", "service_unavailable_error")
+    took = [a["replica"] for a in replicas if a["status"] == 200]
+    statuses = {a["status"] for a in failed}
+    status = statuses.pop() if len(statuses) == 1 and not took else 502
+    message = (f"{len(failed)} of {len(replicas)} replicas failed: "
+               + "; ".join(f"{a['replica']} answered {a['status']}: {a['message']}" for a in failed)
+               + (f"; it succeeded on {', '.join(took)}" if took else ""))
+    type_ = HTTP_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "service_unavailable_error")
+    error = msgspec.json.decode(error_response(status, message, type_).body)
+    return Response(msgspec.json.encode({**error, "replicas": replicas}), status_code=status,
+                    media_type="application/json")

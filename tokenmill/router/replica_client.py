@@ -256,7 +256,8 @@ class ReplicaClient:
     async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> ReplicaResponse:
         return await self.request("POST", base_url, path, body, headers)
 
-    async def get(self, url: str, timeout_s: float | None = None) -> tuple[int, bytes, dict[str, str]]:
+    async def get(self, url: str, timeout_s: float | None = None,
+                  headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
         """GET url, read whole: (status, body, headers). `timeout_s` bounds the whole exchange."""
         parts = urlsplit(url)
         base, path = f"{parts.scheme}://{parts.netloc}", parts.path or "/"
@@ -264,7 +265,7 @@ class ReplicaClient:
             path += "?" + parts.query
 
         async def exchange():
-            response = await self.request("GET", base, path, b"", {})
+            response = await self.request("GET", base, path, b"", headers or {})
             try:
                 return response.status, await response.read(), response.headers
             finally:

@@ -10,6 +10,10 @@ check it also reads the replica's own `vllm:num_requests_running` and `vllm:num_
 work from other clients and routers. A replica's load is the router's count plus whatever the replica reported
 beyond the router's count at that moment.
 
+Models: with each health check the router also reads the replica's /v1/models, the names it serves (its base
+model's and the LoRA adapters loaded on it, those with a `parent`): a request goes to the replicas that serve its
+`model` (tokenmill/router/proxy.py).
+
 The HTTP client to the replicas is tokenmill/router/replica_client.py."""
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 from tokenmill.router.kv_index import KVIndex
 from tokenmill.router.replica_client import TRANSPORT_ERRORS, ReplicaClient
@@ -34,6 +40,7 @@ class Replica:
     cooldown_until: float = 0.0  # time.monotonic()
     in_flight: int = 0  # requests the router has sent and not yet seen end
     external_load: int = 0  # requests running or waiting on the replica that the router did not send (last poll)
+    models: dict[str, bool] | None = None  # served model name → is a LoRA adapter (its last /v1/models); None: unread
 
     @property
     def load(self) -> int:
@@ -45,6 +52,15 @@ class Replica:
 
     def routable(self, now: float) -> bool:
         return self.healthy and now >= self.cooldown_until
+
+    def serves(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+    def serves_as_base(self, model: str) -> bool:
+        """`model` names the base model here (or is not known as an adapter, before /v1/models was read)."""
+        if self.models is None:
+            return model not in self.index.adapter_keys
+        return self.models.get(model) is False
 
 
 @dataclass
@@ -88,6 +104,7 @@ class ReplicaSet:
             self.eject(replica, reason)
         if ok:
             await self.read_load(replica)
+            await self.read_models(replica)
 
     async def read_load(self, replica: Replica) -> None:
         in_flight_now = replica.in_flight
@@ -99,6 +116,21 @@ class ReplicaSet:
             reported = replica_reported_load(body.decode(errors="replace"))
             if reported is not None:
                 replica.external_load = max(0, reported - in_flight_now)
+
+    async def read_models(self, replica: Replica) -> None:
+        """The replica's served names from its /v1/models; an adapter that left it is forgotten by its index."""
+        try:
+            status, body, _ = await self.client.get(replica.url + "/v1/models", self.check_interval_s * 2)
+            cards = msgspec.json.decode(body)["data"] if status == 200 else None
+            models = {card["id"]: card.get("parent") is not None for card in cards} if cards is not None else None
+        except (*TRANSPORT_ERRORS, msgspec.DecodeError, KeyError, TypeError):
+            return  # the health check decides about ejection; the last list stands
+        if models is None:
+            return
+        for name, adapter in (replica.models or {}).items():
+            if adapter and name not in models:
+                replica.index.forget_adapter(name)
+        replica.models = models
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
