@@ -219,6 +219,15 @@ class EngineConfig(CliConfig):
     max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank served (slots are this wide)"})
     max_cpu_loras: int | None = field(default=None, metadata={
         "help": "LoRA adapters kept loaded on the CPU, least recently used dropped first (default: --max-loras)"})
+    kv_offloading_size: float | None = field(default=None, metadata={
+        "help": "GiB of KV blocks kept beyond the pool (vLLM's flag): every computed prefix block is also saved "
+                "there, and a request whose prefix left the pool loads it back instead of computing it "
+                "(tokenmill/engine/kv_offload.py)"})
+    kv_offloading_backend: str = field(default="native", metadata={
+        "help": "where --kv-offloading-size keeps blocks: native (host memory, vLLM's default) | disk (files "
+                "under --kv-offloading-dir, found again after a restart)", "choices": ["native", "disk", "lmcache"]})
+    kv_offloading_dir: str | None = field(default=None, metadata={
+        "help": "the disk tier's directory (default: kv-blocks under TOKENMILL_CACHE_DIR)"})
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # LLM(...) may pass a dict
@@ -231,6 +240,13 @@ class EngineConfig(CliConfig):
             raise ValueError("--max-loras and --max-lora-rank must be positive")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
+        if self.kv_offloading_backend == "lmcache":
+            raise ValueError("--kv-offloading-backend lmcache: LMCache is not supported; use native (host memory) "
+                             "or disk")
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError(f"--kv-offloading-size must be positive (GiB), got {self.kv_offloading_size}")
+        if self.kv_offloading_size is None and (self.kv_offloading_backend != "native" or self.kv_offloading_dir):
+            raise ValueError("--kv-offloading-backend and --kv-offloading-dir take effect with --kv-offloading-size")
 
     @property
     def reasoning(self) -> ReasoningSpec | None:

@@ -73,6 +73,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: float = 0.0
     finished_time: float = 0.0
     pooled: list[float] | None = None  # a pooling request's vector, in its one (finishing) output
+    num_external_tokens: int = 0  # of num_cached_tokens, those loaded from the tier beyond the pool
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

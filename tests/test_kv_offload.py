@@ -1,0 +1,125 @@
+"""The tier beyond the pool (--kv-offloading-size, tokenmill/engine/kv_offload.py), on the real engine with a tiny
+random Llama: blocks a request computed come back, from a fresh engine's disk tier or from host memory once the pool
+evicted them, and the outputs are the ones computed without the tier; an entry that is corrupted, short, or from
+another layout is recomputed, never read."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tokenmill.engine.kv_blocks import HEADER_SIZE, unpack
+from tokenmill.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from helpers import save_tiny_llama
+    path = tmp_path_factory.mktemp("tiny-llama-offload")
+    save_tiny_llama(path, vocab_size=128, max_position_embeddings=256)
+    return str(path)
+
+
+def make_engine(model_dir: str, **kw):
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.engine import EngineCore
+    kw.setdefault("num_gpu_blocks_override", 64)
+    return EngineCore(EngineConfig(model=model_dir, dtype="float32", device="cpu", block_size=16, **kw))
+
+
+def run(engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    """Each prompt to the end, one after the other (so each finds what the ones before it left)."""
+    out = {}
+    for i, prompt in enumerate(prompts):
+        rid = f"r{len(engine.scheduler.requests)}-{i}-{id(prompt)}"
+        request = engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        out[rid.split("-")[1]] = list(request.output_token_ids)
+        out.setdefault("cached", []).append(request.num_cached_tokens)
+        out.setdefault("external", []).append(request.num_external_tokens)
+    return out
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 128) for _ in range(length)] for _ in range(n)]
+
+
+def test_a_fresh_engine_reads_the_blocks_another_wrote_to_disk(model_dir, tmp_path):
+    ps = prompts(3, 100)
+    reference = run(make_engine(model_dir), ps)
+    writer = make_engine(model_dir, kv_offloading_size=0.01, kv_offloading_backend="disk",
+                         kv_offloading_dir=str(tmp_path))
+    first = run(writer, ps)
+    writer.offload.close()
+    assert first["external"] == [0, 0, 0]
+    assert writer.offload.counters.blocks_written == 3 * (106 // 16)  # every full block, generated ones too
+    reader = make_engine(model_dir, kv_offloading_size=0.01, kv_offloading_backend="disk",
+                         kv_offloading_dir=str(tmp_path))
+    second = run(reader, ps)
+    for i in range(3):
+        assert second[str(i)] == reference[str(i)] == first[str(i)]
+    assert second["external"] == [96, 96, 96]  # 6 of the prompt's blocks; the last token is computed
+    assert second["cached"] == [96, 96, 96]
+    assert reader.kv_cache.external_hits == 3 * 96
+    assert reader.offload.counters.blocks_read == 18
+
+
+def test_host_memory_tier_brings_back_what_the_pool_evicted(model_dir):
+    ps = prompts(6, 150, seed=1)
+    reference = run(make_engine(model_dir, num_gpu_blocks_override=16), ps)
+    engine = make_engine(model_dir, num_gpu_blocks_override=16, kv_offloading_size=0.01)
+    run(engine, ps)  # 6 × 10 blocks through a 16-block pool: each evicts the one before
+    again = run(engine, ps)
+    for i in range(6):
+        assert again[str(i)] == reference[str(i)]
+    assert again["external"] == [144] * 6
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "layout"])
+def test_a_damaged_entry_is_recomputed_and_counted(model_dir, tmp_path, damage):
+    ps = prompts(1, 100, seed=2)
+    reference = run(make_engine(model_dir), ps)
+    writer = make_engine(model_dir, kv_offloading_size=0.01, kv_offloading_backend="disk",
+                         kv_offloading_dir=str(tmp_path))
+    run(writer, ps)
+    writer.offload.close()
+    key = writer.offload.key(_third_block_hash(writer, ps[0]))
+    path = os.path.join(tmp_path, key.hex()[:2], key.hex()[2:])
+    data = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        data[HEADER_SIZE + 100] ^= 0x40
+    elif damage == "truncate":
+        data = data[:len(data) // 2]
+    else:
+        data[8] ^= 1  # the layout key: as if another model (or dtype, or backend) had written it
+    open(path, "wb").write(bytes(data))
+    reader = make_engine(model_dir, kv_offloading_size=0.01, kv_offloading_backend="disk",
+                         kv_offloading_dir=str(tmp_path))
+    out = run(reader, ps)
+    assert out["0"] == reference["0"]
+    assert out["external"] == [32]  # the two blocks before the damaged one
+    why = {"flip": "checksum", "truncate": "length", "layout": "layout"}[damage]
+    assert reader.offload.counters.blocks_rejected == {why: 1}
+    # dropped, then written again from the recomputed block: the next reader loads all of it
+    block_hash = _third_block_hash(reader, ps[0])
+    assert unpack(open(path, "rb").read(), reader.offload.layout.key(), block_hash)[1] == ""
+
+
+def _third_block_hash(engine, prompt: list[int]) -> bytes:
+    from tokenmill.engine.block_hash import hash_request_blocks
+    return hash_request_blocks(prompt, 16)[2]
+
+
+def test_an_unusable_directory_is_a_warning_not_a_failure(model_dir, tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    engine = make_engine(model_dir, kv_offloading_size=0.01, kv_offloading_backend="disk",
+                         kv_offloading_dir=str(blocker / "tier"))
+    assert engine.offload is None
+    assert "KV disk tier off" in caplog.text
+    assert run(engine, prompts(1, 40))["0"]
