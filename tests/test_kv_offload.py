@@ -123,3 +123,77 @@ def test_an_unusable_directory_is_a_warning_not_a_failure(model_dir, tmp_path, c
     assert engine.offload is None
     assert "KV disk tier off" in caplog.text
     assert run(engine, prompts(1, 40))["0"]
+
+
+# ---------------------------------------------------------------- a Valkey server shared by engines
+
+@pytest.fixture
+def valkey():
+    from helpers import ValkeyServer
+    server = ValkeyServer()
+    yield server
+    server.stop()
+
+
+def shared(url: str, role: str = "kv_both") -> dict:
+    return {"kv_connector": "ValkeyConnector", "kv_role": role, "kv_connector_extra_config": {"url": url}}
+
+
+WRITER = """
+import sys
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import EngineCore
+from tokenmill.sampling_params import SamplingParams
+model, url, prompts = sys.argv[1], sys.argv[2], eval(sys.argv[3])
+engine = EngineCore(EngineConfig(model=model, dtype="float32", device="cpu", num_gpu_blocks_override=64,
+                                 kv_transfer_config={"kv_connector": "ValkeyConnector", "kv_role": "kv_producer",
+                                                     "kv_connector_extra_config": {"url": url}}))
+for i, p in enumerate(prompts):
+    engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=6))
+while engine.has_unfinished_requests():
+    engine.step()
+print(engine.offload.counters.blocks_written)
+"""
+
+
+def test_an_engine_loads_the_blocks_another_process_wrote_to_valkey(model_dir, valkey):
+    import subprocess
+    import sys
+    ps = prompts(3, 100, seed=3)
+    reference = run(make_engine(model_dir), ps)
+    written = subprocess.run([sys.executable, "-c", WRITER, model_dir, valkey.url, repr(ps)], capture_output=True,
+                             text=True, timeout=300, check=True).stdout.split()[-1]
+    assert int(written) == 3 * 6  # kv_producer: writes, never reads
+    reader = make_engine(model_dir, kv_transfer_config=shared(valkey.url, "kv_consumer"))
+    out = run(reader, ps)
+    for i in range(3):
+        assert out[str(i)] == reference[str(i)]
+    assert out["external"] == [96, 96, 96]
+    assert reader.offload.counters.blocks_written == 0  # kv_consumer: reads, never writes
+
+
+def test_valkey_killed_mid_run_costs_recomputation_only(model_dir, valkey, caplog):
+    ps = prompts(4, 100, seed=4)
+    reference = run(make_engine(model_dir), ps)
+    engine = make_engine(model_dir, kv_transfer_config=shared(valkey.url))
+    assert run(engine, ps[:2])["external"] == [0, 0]
+    valkey.kill()
+    fresh = make_engine(model_dir, kv_transfer_config=shared(valkey.url))
+    out = run(fresh, ps)  # the first two are in the dead store: looked up, not found, recomputed
+    for i in range(4):
+        assert out[str(i)] == reference[str(i)]
+    assert out["external"] == [0, 0, 0, 0]
+    assert fresh.offload.counters.store_errors["VALKEY"] >= 1
+    assert caplog.text.count("KV VALKEY tier:") == 1  # one line for the state change, not one per call
+    valkey.start()  # back: after the circuit's backoff, the store is used again
+    fresh.offload.tiers[0].store._open_until = 0.0
+    again = run(fresh, ps[:1])
+    assert again["0"] == reference["0"]
+    assert "works again" in caplog.text
+
+
+def test_valkey_down_at_start_serves_without_it(model_dir, valkey):
+    valkey.kill()
+    engine = make_engine(model_dir, kv_transfer_config=shared(valkey.url))
+    ps = prompts(2, 60, seed=5)
+    assert run(engine, ps)["external"] == [0, 0]

@@ -16,8 +16,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.encoder_runner import EncoderRunner
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.kv_events import BlockRemoved, BlockStored
-from tokenmill.engine.kv_offload import KVOffloader, SaveJob
-from tokenmill.engine.kv_store import DiskStore, MemoryStore
+from tokenmill.engine.kv_offload import KVOffloader, SaveJob, Tier
+from tokenmill.engine.kv_store import DiskStore, MemoryStore, ValkeyStore
 from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats, validate_request
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
@@ -98,27 +98,36 @@ class EngineCore:
             self.kv_cache.newly_cached = []
 
     def _offloader(self, config: EngineConfig, prefix_caching: bool) -> KVOffloader | None:
-        """The tier beyond the pool (--kv-offloading-size). A disk tier that cannot be created (a read-only or
-        missing filesystem) is a warning: the server serves without it, as it would with a full disk."""
-        if config.kv_offloading_size is None:
+        """The tiers beyond the pool: --kv-offloading-size (host memory or a directory), then a store shared by
+        replicas (--kv-transfer-config). A disk tier that cannot be created (a read-only or missing filesystem)
+        is a warning, and a store that is down at start is one too: the server serves without them, recomputing."""
+        tiers = []
+        if config.kv_offloading_size is not None:
+            capacity = int(config.kv_offloading_size * 1024**3)
+            if config.kv_offloading_backend == "disk":
+                root = config.kv_offloading_dir or os.path.join(envs.TOKENMILL_CACHE_DIR, "kv-blocks")
+                try:
+                    tiers.append(Tier(DiskStore(root, capacity)))
+                    logger.info("KV disk tier: %s, %.2f GiB, %.1f MiB there now", root, config.kv_offloading_size,
+                                tiers[-1].store.occupancy / 2**20)
+                except OSError as e:
+                    logger.warning("KV disk tier off: cannot use %s (%s); serving without it", root, e)
+            else:
+                tiers.append(Tier(MemoryStore(capacity)))
+        transfer = config.kv_transfer_config
+        if transfer is not None and transfer.kv_connector == "ValkeyConnector":
+            tiers.append(Tier(ValkeyStore(transfer.url), read=transfer.kv_role != "kv_producer",
+                              write=transfer.kv_role != "kv_consumer"))
+            logger.info("KV blocks shared through %s (%s)", transfer.url, transfer.kv_role)
+        if not tiers and config.kv_offloading_size is None:
             return None
         if self.runner_type != "generate" or not prefix_caching:
-            raise ValueError("--kv-offloading-size keeps prefix-cache blocks: it needs --enable-prefix-caching and a "
-                             "generating model")
-        capacity = int(config.kv_offloading_size * 1024**3)
-        if config.kv_offloading_backend == "disk":
-            root = config.kv_offloading_dir or os.path.join(envs.TOKENMILL_CACHE_DIR, "kv-blocks")
-            try:
-                store = DiskStore(root, capacity)
-            except OSError as e:
-                logger.warning("KV disk tier off: cannot use %s (%s); serving without it", root, e)
-                return None
-            logger.info("KV disk tier: %s, %.2f GiB, %d blocks there now", root, config.kv_offloading_size,
-                        len(store._index))
-        else:
-            store = MemoryStore(capacity)
+            raise ValueError("--kv-offloading-size and --kv-transfer-config keep prefix-cache blocks: they need "
+                             "--enable-prefix-caching and a generating model")
+        if not tiers:
+            return None
         # a save pins its block until written: at most a quarter of the pool waits for the worker
-        return KVOffloader(store, self.runner.block_layout(self.model_info), max(8, self.kv_cache.num_blocks // 4))
+        return KVOffloader(tiers, self.runner.block_layout(self.model_info), max(8, self.kv_cache.num_blocks // 4))
 
     @property
     def matryoshka(self) -> bool:
@@ -260,23 +269,23 @@ class EngineCore:
     def _offload_poll(self) -> None:
         """Takes the tier's finished work: loaded requests back to the queue, saved blocks unpinned (and their
         KV events, with the tier's medium)."""
-        for job in self.offload.poll_loads():
+        loads, saved = self.offload.poll()
+        for job in loads:
             self.scheduler.finish_load(job.request_id, job.num_ok)
-        saved = self.offload.poll_saves()
         if not saved:
             return
         pool = self.kv_cache.pool
-        pool.free([pool.blocks[job.block_id] for job, _, _ in saved])
+        pool.free([pool.blocks[job.block_id] for job in saved])
         if pool.events is None:
             return
-        medium, bs = self.offload.store.medium, self.kv_cache.block_size
-        for job, stored, evicted in saved:
+        bs = self.kv_cache.block_size
+        for job in saved:
             parent, tokens, lora_id, lora_name, extra_keys = job.event
-            if stored:
+            for medium in job.stored:
                 pool.events.append(BlockStored([job.block_hash], parent, tokens, bs, lora_id, medium, lora_name,
                                                [list(extra_keys)] if extra_keys else None))
-            if evicted:
-                pool.events.append(BlockRemoved([key[8:] for key in evicted], medium))
+            for medium, keys in job.evicted:
+                pool.events.append(BlockRemoved([key[8:] for key in keys], medium))
 
     def _accept_verified(self, r: Request, emitted: list[int]) -> EngineCoreOutput:
         """A request verified with drafts (spec_decode/): emitted holds its accepted drafts and the token after

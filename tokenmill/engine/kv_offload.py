@@ -1,5 +1,6 @@
-"""The tier beyond the pool: blocks saved to a store as they are computed, and loaded back into free blocks when a
-later request's prefix misses the pool but hits the store (vLLM's `--kv-offloading-size`).
+"""The tiers beyond the pool: blocks saved to stores as they are computed, and loaded back into free blocks when a
+later request's prefix misses the pool but hits a store: host memory or a directory (vLLM's
+`--kv-offloading-size`), and a Valkey server shared by replicas (`--kv-transfer-config` with ValkeyConnector).
 
 Write-through, not write-on-evict: a block is saved once, right after the step that computed it, whatever
 becomes of it in the pool. Saving on eviction would have to copy the block out before the step that reuses it
@@ -8,7 +9,8 @@ runs, inside the step loop; and a store shared by replicas must hold what a repl
 Nothing here runs on the step loop's time but bookkeeping. One worker thread, at a lower OS priority, does the
 copies, checksums and I/O: saves of pinned blocks (a reference is held until the copy is done, so the pool
 cannot hand the block out meanwhile), and loads into blocks that a waiting request owns (scheduler.py keeps it
-out of every step until `poll_loads` reports it). Loads go before saves. A load stops at the first entry that is
+out of every step until `poll_loads` reports it), and lookups in a remote store (the request is stepped over
+until the answer comes). Lookups and loads go before saves. A load stops at the first entry that is
 missing or fails its checks (engine/kv_blocks.py): the rest of the chain is computed, never guessed. Store
 errors (a full or read-only disk, a store that went away) cost only recomputation, with one log line each time
 the tier's state changes, and a counter."""
@@ -27,10 +29,19 @@ logger = logging.getLogger("tokenmill.engine")
 
 
 @dataclass
+class Tier:
+    store: object  # engine/kv_store.py: MemoryStore, DiskStore or ValkeyStore
+    read: bool = True  # looked up and loaded from (not for a kv_producer)
+    write: bool = True  # saved to (not for a kv_consumer)
+
+
+@dataclass
 class SaveJob:
     block_id: int
     block_hash: bytes
     event: tuple  # (parent hash, token ids, lora id, lora name, extra keys): for the tier's BlockStored
+    stored: list[str] = field(default_factory=list)  # the media it was written to
+    evicted: list[tuple[str, list[bytes]]] = field(default_factory=list)  # (medium, keys) the writes pushed out
 
 
 @dataclass
@@ -42,6 +53,13 @@ class LoadJob:
 
 
 @dataclass
+class LookupJob:
+    request_id: str
+    keys: list[bytes]
+    found: int = 0
+
+
+@dataclass
 class OffloadCounters:
     """Cumulative since start (SchedulerStats carries them to /metrics)."""
     bytes_written: int = 0
@@ -49,25 +67,27 @@ class OffloadCounters:
     blocks_written: int = 0
     blocks_read: int = 0
     blocks_rejected: collections.Counter = field(default_factory=collections.Counter)  # reason → blocks
-    store_errors: int = 0
+    store_errors: collections.Counter = field(default_factory=collections.Counter)  # medium → failed calls
     saves_skipped: int = 0  # the block left the pool before a save had room (too many in flight)
     load_seconds: list[float] = field(default_factory=list)  # per load, taken by each stats message
 
 
 class KVOffloader:
-    def __init__(self, store, layout: BlockLayout, max_pending_saves: int):
-        self.store = store
+    def __init__(self, tiers: list[Tier], layout: BlockLayout, max_pending_saves: int):
+        """tiers: local ones (no I/O to know what they hold) first, then remote ones."""
+        self.tiers = tiers
         self.layout = layout
         self.max_pending_saves = max_pending_saves
         self.counters = OffloadCounters()
+        self._jobs: collections.deque = collections.deque()  # lookups and loads, first come first served
         self._saves: collections.deque[SaveJob] = collections.deque()
-        self._loads: collections.deque[LoadJob] = collections.deque()
-        self._saved: list[tuple[SaveJob, bool, list[bytes]]] = []  # (job, stored, evicted keys)
-        self._loaded: list[LoadJob] = []
+        self._done: list = []  # finished jobs of every kind, for poll()
+        self._looked_up: dict[str, int] = {}  # request id → blocks found, until lookup() takes it
+        self._pending_lookups: set[str] = set()
+        self._forgotten: set[str] = set()
         self._pending_saves = 0
-        self._loading = 0  # loads the worker has taken and not yet reported
         self._cond = threading.Condition()
-        self._healthy = True
+        self._healthy = {tier.store.medium: True for tier in tiers}
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="kv-offload", daemon=True)
         self._thread.start()
@@ -75,19 +95,44 @@ class KVOffloader:
     # ---- keys ----
 
     def key(self, block_hash: bytes) -> bytes:
-        """The store's key: the layout's and the block's, so models sharing a store never meet."""
+        """The stores' key: the layout's and the block's, so models sharing a store never meet."""
         return self.layout.key()[:8] + block_hash
+
+    def _holder(self, key: bytes):
+        """The first readable tier known to hold key (no I/O)."""
+        for tier in self.tiers:
+            if tier.read and tier.store.contains(key):
+                return tier.store
+        return None
 
     # ---- the step loop's side ----
 
-    def lookup(self, block_hashes: list[bytes]) -> int:
-        """How many of these blocks, from the first, the store holds (an index lookup: no I/O)."""
-        n = 0
-        for h in block_hashes:
-            if not self.store.contains(self.key(h)):
-                break
-            n += 1
-        return n
+    def lookup(self, request_id: str, block_hashes: list[bytes]) -> int | None:
+        """How many of these blocks, from the first, the tiers hold; None while a remote store is asked (the
+        caller steps the request over and asks again)."""
+        keys = [self.key(h) for h in block_hashes]
+        local = 0
+        while local < len(keys) and self._holder(keys[local]) is not None:
+            local += 1
+        if request_id in self._looked_up:
+            return max(local, self._looked_up.pop(request_id))
+        remote = [t.store for t in self.tiers if t.read and getattr(t.store, "remote", False)]
+        if local == len(keys) or not remote or not remote[0].available():
+            return local  # (a store that is down is not asked while its circuit is open)
+        if request_id not in self._pending_lookups:
+            self._pending_lookups.add(request_id)
+            self._submit(self._jobs, LookupJob(request_id, keys))
+        return None
+
+    def forget(self, request_id: str) -> None:
+        """A request that ended before it took its lookup's answer."""
+        self._looked_up.pop(request_id, None)
+        if request_id in self._pending_lookups:
+            self._forgotten.add(request_id)
+
+    def load(self, request_id: str, blocks: list[tuple[bytes, int]]) -> None:
+        """Fills these (block hash, block id) pairs from the tiers, in order; poll reports how many."""
+        self._submit(self._jobs, LoadJob(request_id, blocks))
 
     @property
     def room(self) -> int:
@@ -96,12 +141,14 @@ class KVOffloader:
 
     @property
     def busy(self) -> bool:
-        return self._pending_saves > 0
+        return self._pending_saves > 0 or bool(self._pending_lookups)
 
     def save(self, jobs: list[SaveJob]) -> list[SaveJob]:
-        """Queues saves of the blocks the store lacks (at most `room`); returns the ones queued: the caller pins
-        their blocks until poll_saves reports them."""
-        todo = [job for job in jobs if not self.store.contains(self.key(job.block_hash))][:self.room]
+        """Queues saves of the blocks some writable tier lacks (at most `room`); returns the ones queued: the
+        caller pins their blocks until poll reports them."""
+        writable = [t.store for t in self.tiers if t.write]
+        todo = [job for job in jobs
+                if not all(store.contains(self.key(job.block_hash)) for store in writable)][:self.room]
         self._pending_saves += len(todo)
         if todo:
             with self._cond:
@@ -109,32 +156,34 @@ class KVOffloader:
                 self._cond.notify()
         return todo
 
-    def load(self, request_id: str, blocks: list[tuple[bytes, int]]) -> None:
-        """Fills these (block hash, block id) pairs from the store, in order; poll_loads reports how many."""
-        job = LoadJob(request_id, blocks)
+    def _submit(self, queue: collections.deque, job) -> None:
         with self._cond:
-            self._loads.append(job)
+            queue.append(job)
             self._cond.notify()
 
-    @property
-    def num_loading(self) -> int:
-        return len(self._loads) + len(self._loaded) + self._loading
-
-    def poll_loads(self) -> list[LoadJob]:
+    def poll(self) -> tuple[list[LoadJob], list[SaveJob]]:
+        """Finished loads and saves (lookups are kept for the next lookup() of their request)."""
         with self._cond:
-            done, self._loaded = self._loaded, []
-        return done
-
-    def poll_saves(self) -> list[tuple[SaveJob, bool, list[bytes]]]:
-        with self._cond:
-            done, self._saved = self._saved, []
-        self._pending_saves -= len(done)
-        return done
+            done, self._done = self._done, []
+        loads, saves = [], []
+        for job in done:
+            if isinstance(job, LookupJob):
+                self._pending_lookups.discard(job.request_id)
+                if job.request_id in self._forgotten:
+                    self._forgotten.discard(job.request_id)
+                else:
+                    self._looked_up[job.request_id] = job.found
+            elif isinstance(job, LoadJob):
+                loads.append(job)
+            else:
+                saves.append(job)
+        self._pending_saves -= len(saves)
+        return loads, saves
 
     def wait(self, timeout: float) -> None:
-        """Blocks until a load or save finishes or timeout passes (the step loop has nothing else to do)."""
+        """Blocks until some job finishes or timeout passes (the step loop has nothing else to do)."""
         with self._cond:
-            if not (self._loaded or self._saved):
+            if not self._done:
                 self._cond.wait(timeout)
 
     def close(self) -> None:
@@ -152,57 +201,71 @@ class KVOffloader:
             pass
         while True:
             with self._cond:
-                while not (self._loads or self._saves or self._stop):
+                while not (self._jobs or self._saves or self._stop):
                     self._cond.wait()
                 if self._stop:
                     return
-                if self._loads:
-                    job, self._loading = self._loads.popleft(), 1
-                else:
-                    job = self._saves.popleft()
-            if isinstance(job, LoadJob):
+                job = self._jobs.popleft() if self._jobs else self._saves.popleft()
+            if isinstance(job, LookupJob):
+                self._lookup(job)
+            elif isinstance(job, LoadJob):
                 self._load(job)
-                with self._cond:
-                    self._loaded.append(job)
-                    self._loading = 0
-                    self._cond.notify_all()
             else:
-                stored, evicted = self._save(job)
-                with self._cond:
-                    self._saved.append((job, stored, evicted))
-                    self._cond.notify_all()
+                self._save(job)
+            with self._cond:
+                self._done.append(job)
+                self._cond.notify_all()
 
-    def _save(self, job: SaveJob) -> tuple[bool, list[bytes]]:
+    def _lookup(self, job: LookupJob) -> None:
+        for tier in self.tiers:
+            if tier.read and getattr(tier.store, "remote", False):
+                try:
+                    job.found = max(job.found, tier.store.count_present(job.keys))
+                except OSError as e:
+                    self._failed(tier.store, "lookup", e)
+                else:
+                    self._set_healthy(tier.store, True)
+
+    def _save(self, job: SaveJob) -> None:
         layout_key = self.layout.key()
-        entry = pack(layout_key, job.block_hash, self.layout.read(job.block_id))
-        try:
-            evicted = self.store.put(layout_key[:8] + job.block_hash, entry)
-        except OSError as e:
-            self.counters.store_errors += 1
-            self._set_healthy(False, f"writing failed ({e})")
-            return False, []
-        self._set_healthy(True, "writing again")
-        self.counters.bytes_written += len(entry)
-        self.counters.blocks_written += 1
-        return True, evicted
+        key = layout_key[:8] + job.block_hash
+        entry = None
+        for tier in self.tiers:
+            if not tier.write or tier.store.contains(key):
+                continue
+            if entry is None:
+                entry = pack(layout_key, job.block_hash, self.layout.read(job.block_id))
+            try:
+                evicted = tier.store.put(key, entry)
+            except OSError as e:
+                self._failed(tier.store, "writing", e)
+                continue
+            self._set_healthy(tier.store, True)
+            self.counters.bytes_written += len(entry)
+            self.counters.blocks_written += 1
+            job.stored.append(tier.store.medium)
+            if evicted:
+                job.evicted.append((tier.store.medium, evicted))
 
     def _load(self, job: LoadJob) -> None:
         layout_key = self.layout.key()
         for block_hash, block_id in job.blocks:
             key = layout_key[:8] + block_hash
+            store = self._holder(key)
+            if store is None:
+                break
             try:
-                entry = self.store.get(key)
+                entry = store.get(key)
             except OSError as e:
-                self.counters.store_errors += 1
-                self._set_healthy(False, f"reading failed ({e})")
+                self._failed(store, "reading", e)
                 break
             payload, why = unpack(entry, layout_key, block_hash)
             if payload is None:
                 self.counters.blocks_rejected[why] += 1
                 if entry is not None:
-                    logger.warning("KV %s tier: block %s rejected (%s); it is recomputed", self.store.medium,
+                    logger.warning("KV %s tier: block %s rejected (%s); it is recomputed", store.medium,
                                    block_hash.hex()[:16], why)
-                    self.store.discard(key)
+                    store.discard(key)
                 break
             self.layout.write(block_id, payload)
             self.counters.bytes_read += len(entry)
@@ -210,8 +273,14 @@ class KVOffloader:
             job.num_ok += 1
         self.counters.load_seconds.append(time.monotonic() - job.started)
 
-    def _set_healthy(self, healthy: bool, what: str) -> None:
-        if healthy != self._healthy:
-            self._healthy = healthy
-            log = logger.info if healthy else logger.warning
-            log("KV %s tier: %s%s", self.store.medium, what, "" if healthy else "; requests recompute")
+    def _failed(self, store, what: str, error: OSError) -> None:
+        self.counters.store_errors[store.medium] += 1
+        if self._healthy[store.medium]:
+            self._healthy[store.medium] = False
+            logger.warning("KV %s tier: %s failed (%s); requests recompute until it works again", store.medium,
+                           what, error)
+
+    def _set_healthy(self, store, healthy: bool) -> None:
+        if healthy and not self._healthy[store.medium]:
+            self._healthy[store.medium] = True
+            logger.info("KV %s tier: works again", store.medium)

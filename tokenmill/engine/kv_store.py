@@ -178,3 +178,101 @@ class DiskStore:
             os.unlink(self._path(key))
         except OSError:
             pass
+
+
+class ValkeyStore:
+    """Entries in a Valkey (or Redis) server that several replicas share (--kv-transfer-config with
+    ValkeyConnector), so that a prefix one replica computed is loaded by the others. The server's own eviction
+    (`maxmemory` with `maxmemory-policy allkeys-lru`) bounds it.
+
+    Every call is network I/O, made only from the offloader's worker: `contains` answers from what this process
+    wrote or found there (no I/O, for the step loop), `count_present` asks the server. A server that is down or
+    slow raises OSError after `timeout` seconds, like a failing disk; a few failures in a row open a circuit for
+    `backoff` seconds in which calls fail at once, so requests do not each wait for a dead server."""
+
+    medium = "VALKEY"
+    remote = True
+
+    def __init__(self, url: str, timeout: float = 0.5, backoff: float = 5.0, failures_to_open: int = 2):
+        try:
+            import valkey
+        except ImportError:
+            raise ValueError("ValkeyConnector needs the valkey package: pip install valkey") from None
+        self.url = url
+        self._errors = (valkey.exceptions.ValkeyError, OSError)
+        self._client = valkey.Valkey.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # keys seen there, most recent last
+        self._max_known = 1 << 20
+        self.backoff, self.failures_to_open = backoff, failures_to_open
+        self._failures, self._open_until = 0, 0.0
+        self.bytes_written = 0
+
+    @property
+    def occupancy(self) -> int:
+        return self.bytes_written
+
+    def _call(self, fn, *args):
+        import time
+        if time.monotonic() < self._open_until:
+            raise OSError(f"{self.url} is unreachable (retrying in at most {self.backoff:.0f} s)")
+        try:
+            out = fn(*args)
+        except self._errors as e:
+            self._failures += 1
+            if self._failures >= self.failures_to_open:
+                self._open_until = time.monotonic() + self.backoff
+            raise OSError(f"{self.url}: {e}") from None
+        self._failures = 0
+        return out
+
+    def _remember(self, key: bytes) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > self._max_known:
+            self._known.popitem(last=False)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._known
+
+    def available(self) -> bool:
+        """False while the circuit is open (the server failed just now): not worth a lookup."""
+        import time
+        return time.monotonic() >= self._open_until
+
+    def count_present(self, keys: list[bytes]) -> int:
+        """How many of keys, from the first, the server holds (one round trip)."""
+        if not keys:
+            return 0
+
+        def exists(keys):
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            return pipe.execute()
+        n = 0
+        for key, present in zip(keys, self._call(exists, keys)):
+            if not present:
+                break
+            self._remember(key)
+            n += 1
+        return n
+
+    def get(self, key: bytes) -> bytearray | None:
+        entry = self._call(self._client.get, key)
+        if entry is None:
+            self._known.pop(key, None)
+            return None
+        return bytearray(entry)
+
+    def put(self, key: bytes, entry: bytes) -> list[bytes]:
+        self._call(self._client.set, key, bytes(entry))
+        self._remember(key)
+        self.bytes_written += len(entry)
+        return []
+
+    def discard(self, key: bytes) -> None:
+        self._known.pop(key, None)
+        try:
+            self._call(self._client.delete, key)
+        except OSError:
+            pass

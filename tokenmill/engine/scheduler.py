@@ -137,9 +137,12 @@ class Scheduler:
                 hits, num_hit = self.kv_cache.get_computed_blocks(request)
                 if self.offload is not None and not request.kv_loaded and request.pooling is None:
                     started = self._load_from_tier(request, hits)
-                    if started is not None:
-                        if not started:
-                            break
+                    if started == "asking":  # a remote store is asked what it holds: keeps its place
+                        not_ready.append(self.waiting.pop())
+                        continue
+                    if started == "no room":
+                        break
+                    if started == "loading":
                         continue
             num_new = min(request.num_tokens - num_hit, budget)
             if request.pooling is not None and num_new < request.num_tokens - num_hit:
@@ -165,28 +168,30 @@ class Scheduler:
             self.waiting.add(request, front=True)
         return out
 
-    def _load_from_tier(self, request: Request, hits: list) -> bool | None:
-        """None: the tier holds nothing past the pool's hits. Else starts loading those blocks into fresh ones
-        (True), or finds no room for them (False)."""
-        request.kv_loaded = True  # asked once per admission; a preemption asks again
+    def _load_from_tier(self, request: Request, hits: list) -> str | None:
+        """Starts loading the blocks past the pool's hits that the tiers hold into fresh blocks ("loading"); None
+        if they hold none, "asking" while a remote store is asked, "no room" if the pool has none for them."""
         bs = self.kv_cache.block_size
         start, end = len(hits), (request.num_tokens - 1) // bs  # the last token is always computed
         if end <= start:
             return None
-        found = self.offload.lookup(request.block_hashes[start:end])
+        found = self.offload.lookup(request.request_id, request.block_hashes[start:end])
+        if found is None:
+            return "asking"
+        request.kv_loaded = True  # asked once per admission; a preemption asks again
         self.kv_cache.external_queries += (end - start) * bs
         if not found:
             return None
         if not self.kv_cache.allocate_slots(request, found * bs, hits, cache=False):
             request.kv_loaded = False
-            return False
+            return "no room"
         self.waiting.pop()
         request.num_computed_tokens = start * bs
         self.loading[request.request_id] = request
         table = self.kv_cache.block_tables[request.request_id]
         self.offload.load(request.request_id, [(request.block_hashes[i], table[i].block_id)
                                                for i in range(start, start + found)])
-        return True
+        return "loading"
 
     def finish_load(self, request_id: str, num_loaded: int) -> None:
         """The tier filled the first num_loaded of the blocks it was asked for (it stops at a missing or
@@ -250,6 +255,8 @@ class Scheduler:
         request.times.finished = time.monotonic()
         if not loading:  # a tier is writing its blocks: finish_load frees them
             self.kv_cache.free(request)
+        if self.offload is not None:
+            self.offload.forget(request.request_id)
         if self.speculator is not None:
             self.speculator.finish(request)
         if self.lora is not None and request.lora_request is not None:
