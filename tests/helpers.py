@@ -391,6 +391,24 @@ def save_tiny_llama(out_dir, **kw) -> None:
     LlamaForCausalLM(config).save_pretrained(out_dir, safe_serialization=True)
 
 
+def make_adapter(base, out_dir: str, seed: int, std: float, **lora_kw):
+    """A PEFT adapter on a copy of `base` with random A and B (PEFT starts B at zero), saved as PEFT saves it.
+    Returns the PEFT model, the HF reference for this adapter."""
+    import copy
+
+    import peft
+    import torch
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(task_type="CAUSAL_LM", **lora_kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, std)
+    model.save_pretrained(out_dir)
+    assert sorted(os.listdir(out_dir)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    return model.eval()
+
+
 def tiny_config(arch: str, vocab_size: int, **kw):
     import transformers
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

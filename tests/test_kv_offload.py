@@ -25,16 +25,16 @@ def model_dir(tmp_path_factory):
 def make_engine(model_dir: str, **kw):
     from tokenmill.config import EngineConfig
     from tokenmill.engine.engine import EngineCore
-    kw.setdefault("num_gpu_blocks_override", 64)
-    return EngineCore(EngineConfig(model=model_dir, dtype="float32", device="cpu", block_size=16, **kw))
+    kw = {"num_gpu_blocks_override": 64, "dtype": "float32", **kw}
+    return EngineCore(EngineConfig(model=model_dir, device="cpu", block_size=16, **kw))
 
 
-def run(engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+def run(engine, prompts: list[list[int]], params: SamplingParams = GREEDY, lora=None) -> dict[str, list[int]]:
     """Each prompt to the end, one after the other (so each finds what the ones before it left)."""
     out = {}
     for i, prompt in enumerate(prompts):
         rid = f"r{len(engine.scheduler.requests)}-{i}-{id(prompt)}"
-        request = engine.add_request(rid, prompt, params)
+        request = engine.add_request(rid, prompt, params, lora_request=lora)
         while engine.has_unfinished_requests():
             engine.step()
         out[rid.split("-")[1]] = list(request.output_token_ids)
@@ -78,6 +78,39 @@ def test_host_memory_tier_brings_back_what_the_pool_evicted(model_dir):
     for i in range(6):
         assert again[str(i)] == reference[str(i)]
     assert again["external"] == [144] * 6
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "fp8", "chunked", "lora"])
+def test_every_prefix_block_from_disk_gives_the_same_tokens(model_dir, tmp_path, case):
+    """bf16 and a one-byte (fp8) cache, prompts prefilled in chunks of 32 tokens, and a LoRA adapter (whose
+    requests' blocks are keyed by it: the base model's blocks of the same tokens are never loaded for them)."""
+    from helpers import make_adapter
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.lora.request import LoRARequest
+    kw = {"bfloat16": dict(dtype="bfloat16"), "fp8": dict(kv_cache_dtype="fp8"),
+          "chunked": dict(max_num_batched_tokens=32), "lora": dict(enable_lora=True, max_lora_rank=8)}[case]
+    lora = None
+    if case == "lora":
+        make_adapter(AutoModelForCausalLM.from_pretrained(model_dir), str(tmp_path / "adapter"), 0, 0.3, r=8,
+                     target_modules=["q_proj", "v_proj", "down_proj"])
+        lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    ps = prompts(3, 100, seed=6)
+    reference = run(make_engine(model_dir, **kw), ps, lora=lora)
+    tier = dict(kv_offloading_size=0.01, kv_offloading_backend="disk", kv_offloading_dir=str(tmp_path / "tier"))
+    engine_kw = {**kw, **tier}
+    if case == "lora":  # the base model's blocks of these prompts are there too: they must not be used
+        run(make_engine(model_dir, **engine_kw), ps)
+    writer = make_engine(model_dir, **engine_kw)
+    run(writer, ps, lora=lora)
+    writer.offload.close()
+    reader = make_engine(model_dir, **engine_kw)
+    out = run(reader, ps, lora=lora)
+    for i in range(3):
+        assert out[str(i)] == reference[str(i)]
+    assert out["external"] == [96, 96, 96]
+    if case == "lora":
+        assert reference["0"] != run(make_engine(model_dir), ps[:1])["0"]  # the adapter changes the tokens
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "layout"])

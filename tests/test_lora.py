@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from helpers import RemoteServer, build_tiny_model, hf_greedy
+from helpers import RemoteServer, build_tiny_model, hf_greedy, make_adapter
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.engine.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
 from tokenmill.kernels import load_ops, runnable_isas
@@ -35,20 +35,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a land far away, there lived a king who had three daughters. The youngest"]
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def make_adapter(base, out_dir: str, seed: int, std: float, **lora_kw):
-    """A PEFT adapter on a copy of `base` with random A and B (PEFT starts B at zero), saved as PEFT saves it.
-    Returns the PEFT model, the HF reference for this adapter."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(task_type="CAUSAL_LM", **lora_kw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, std)
-    model.save_pretrained(out_dir)
-    assert sorted(os.listdir(out_dir)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
-    return model.eval()
 
 
 def hf_outputs(model, prompts: list[list[int]]) -> list[list[int]]:

@@ -339,6 +339,12 @@ class EngineCore:
                 for r in requests:
                     if r.lora_request is not None:
                         counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+        if self.offload is not None:
+            stats.external_prefix_cache_queries, stats.external_prefix_cache_hits = kv.external_queries, kv.external_hits
+            stats.kv_offload = self.offload.stats()
+            stats.kv_offload.num_loading = len(s.loading)
+            stats.num_waiting += len(s.loading)  # vLLM counts them waiting, "deferred" (for their KV)
+            stats.num_waiting_deferred += len(s.loading)
         if spec is not None:
             stats.spec_num_drafts, stats.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens

@@ -77,12 +77,14 @@ class BlockLayout:
     """The pool's per-block layout: the K and V slices of every layer, and the key that names it."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], identity: dict,
-                 scales: torch.Tensor | None = None):
+                 scales: torch.Tensor | None = None, final=lambda: True):
         """identity: model fingerprint, dtypes, backend, block size...; scales: the one-byte cache's KV scales,
-        which change the meaning of every byte (None for other dtypes)."""
+        which change the meaning of every byte (None for other dtypes); final(): False until the first forward
+        pass has calibrated them (until then no block may be loaded: its bytes would be read with other scales)."""
         self.kv_caches = kv_caches
         self.identity = identity
         self.scales = scales
+        self.final = final
         first_k, first_v, _ = kv_caches[0]
         self.slice_bytes = [(k[0].numel() * k.element_size(), v[0].numel() * v.element_size())
                             for k, v, _ in kv_caches]

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_blocks import BlockLayout, pack, unpack
+from tokenmill.engine.messages import OffloadStats
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -110,6 +111,8 @@ class KVOffloader:
     def lookup(self, request_id: str, block_hashes: list[bytes]) -> int | None:
         """How many of these blocks, from the first, the tiers hold; None while a remote store is asked (the
         caller steps the request over and asks again)."""
+        if not self.layout.final():  # a one-byte cache before its scales are set: nothing is loadable yet
+            return 0
         keys = [self.key(h) for h in block_hashes]
         local = 0
         while local < len(keys) and self._holder(keys[local]) is not None:
@@ -185,6 +188,16 @@ class KVOffloader:
         with self._cond:
             if not self._done:
                 self._cond.wait(timeout)
+
+    def stats(self) -> OffloadStats:
+        """The counters, and the load latencies since the last call (they go to one report only)."""
+        c = self.counters
+        seconds, c.load_seconds = c.load_seconds, []
+        return OffloadStats(c.bytes_written, c.bytes_read, c.blocks_written, c.blocks_read, c.saves_skipped,
+                            dict(c.blocks_rejected), dict(c.store_errors),
+                            {t.store.medium: t.store.occupancy for t in self.tiers},
+                            {t.store.medium: getattr(t.store, "capacity", 0) for t in self.tiers},
+                            dict(self._healthy), seconds)
 
     def close(self) -> None:
         with self._cond:

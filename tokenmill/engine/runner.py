@@ -105,7 +105,8 @@ class ModelRunner:
         identity = {"model": model_fingerprint(info.path), "architecture": info.architecture,
                     "dtype": str(self.dtype), "kv_dtype": str(self.kv_dtype), "quantization": self.config.quantization,
                     "backend": type(self.backend).__name__, "block_size": self.block_size}
-        return BlockLayout(self.kv_caches, identity, self.kv_scales if is_one_byte(self.kv_dtype) else None)
+        return BlockLayout(self.kv_caches, identity, self.kv_scales if is_one_byte(self.kv_dtype) else None,
+                           lambda: not self.backend.calibrating)
 
     def _block_bytes(self) -> int:
         per_token = 2 * len(self.model.layers) * self.model.num_kv_heads * self.model.head_dim
