@@ -158,6 +158,46 @@ def test_an_unusable_directory_is_a_warning_not_a_failure(model_dir, tmp_path, c
     assert run(engine, prompts(1, 40))["0"]
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 64 KiB tmpfs (room for a few of the tiny model's blocks), mounted for the test: a real full disk, and, remounted
+    read-only, a real read-only one. Needs the right to mount (root in the test container)."""
+    import subprocess
+    path = tmp_path / "fs"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+def test_a_full_or_read_only_tier_filesystem_costs_recomputation_only(model_dir, small_filesystem, fault, caplog):
+    import subprocess
+    ps = prompts(3, 100, seed=8)
+    reference = run(make_engine(model_dir), ps)
+    if fault == "read-only":
+        (small_filesystem / "tier").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(small_filesystem)], check=True)
+    engine = make_engine(model_dir, kv_offloading_size=1.0, kv_offloading_backend="disk",
+                         kv_offloading_dir=str(small_filesystem / "tier"))
+    out = run(engine, ps)
+    for i in range(3):
+        assert out[str(i)] == reference[str(i)]
+    written = engine.offload.counters.blocks_written
+    assert (0 < written < 6) if fault == "full" else written == 0  # the first request's first blocks fit
+    assert engine.offload.counters.store_errors["DISK"] == 18 - written
+    assert caplog.text.count("KV DISK tier: writing failed") == 1
+    engine.offload.close()
+    engine = make_engine(model_dir, kv_offloading_size=1.0, kv_offloading_backend="disk",
+                         kv_offloading_dir=str(small_filesystem / "tier"))
+    again = run(engine, ps)  # a fresh pool: what was written comes back, the rest is computed
+    for i in range(3):
+        assert again[str(i)] == reference[str(i)]
+    assert again["external"] == [16 * written, 0, 0]
+
+
 # ---------------------------------------------------------------- a Valkey server shared by engines
 
 @pytest.fixture
@@ -230,3 +270,78 @@ def test_valkey_down_at_start_serves_without_it(model_dir, valkey):
     engine = make_engine(model_dir, kv_transfer_config=shared(valkey.url))
     ps = prompts(2, 60, seed=5)
     assert run(engine, ps)["external"] == [0, 0]
+
+
+def test_tier_writes_are_kv_events_with_their_medium(model_dir, tmp_path):
+    """A router tells a replica that holds a prefix in its pool (medium GPU) from one that can load it (DISK)."""
+    from tokenmill.engine.kv_events import BlockRemoved, BlockStored
+    entry = HEADER_SIZE + 2 * 2 * 16 * 2 * 16 * 4  # 2 layers × K, V × 16 tokens × 2 heads × 16 dims × fp32
+    engine = make_engine(model_dir, kv_offloading_size=8 * entry / 1024**3, kv_offloading_backend="disk",
+                         kv_offloading_dir=str(tmp_path))  # room for 8 of the 12 blocks
+    engine.kv_cache.enable_events()
+    run(engine, prompts(2, 100, seed=7))
+    events = engine.kv_cache.take_events()
+    stored = {}
+    for e in events:
+        if isinstance(e, BlockStored):
+            for h in e.block_hashes:
+                stored.setdefault(h, set()).add(e.medium)
+    assert len(stored) == 12 and all(media == {"GPU", "DISK"} for media in stored.values())
+    disk_event = next(e for e in events if isinstance(e, BlockStored) and e.medium == "DISK")
+    assert len(disk_event.token_ids) == 16 and disk_event.block_size == 16
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "DISK" for h in e.block_hashes]
+    assert len(removed) == 4 and engine.offload.tiers[0].store.occupancy == 8 * entry
+
+
+# ---------------------------------------------------------------- through `tokenmill serve`
+
+@pytest.fixture(scope="module")
+def tiny_served_model(tokenizer, tmp_path_factory):
+    from helpers import save_tiny_llama
+    path = tmp_path_factory.mktemp("tiny-llama-served")
+    save_tiny_llama(path, vocab_size=len(tokenizer), max_position_embeddings=512, initializer_range=0.5,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_two_servers_share_blocks_through_valkey_and_survive_its_death(tiny_served_model, valkey):
+    import json
+
+    import httpx
+    from helpers import TEXT, RemoteServer, metric_value, scrape_metrics, wait_until
+    args = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--uvicorn-log-level",
+            "warning", "--kv-transfer-config", json.dumps(shared(valkey.url))]
+    a = RemoteServer(model=tiny_served_model, server_args=args)
+    b = RemoteServer(model=tiny_served_model, server_args=args)
+    try:
+        def complete(server, prompt: str) -> dict:
+            r = httpx.post(server.url_for("/v1/completions"), timeout=60,
+                           json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def metric(server, family, sample, **labels):
+            return metric_value(scrape_metrics(server), family, sample, model_name=tiny_served_model, **labels)
+
+        prompt = TEXT[:1200]
+        first = complete(a, prompt)
+        full_blocks = (first["usage"]["prompt_tokens"] - 1) // 16  # the last prompt token is always computed
+        wait_until(lambda: metric(a, "tokenmill:kv_offload_blocks_written", "tokenmill:kv_offload_blocks_written_total")
+                   >= full_blocks, 30)
+        assert complete(b, prompt)["choices"] == first["choices"]
+        hits = metric(b, "vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_hits_total")
+        assert hits == full_blocks * 16
+        assert metric(b, "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total",
+                      source="external_kv_transfer") == hits
+        valkey.kill()
+        for i in range(3):  # new prompts and the shared one, on both: every request succeeds, recomputing
+            for server in (a, b):
+                complete(server, TEXT[100 * (i + 1):100 * (i + 1) + 1200])
+        assert complete(b, prompt)["choices"] == first["choices"]
+        assert metric(b, "tokenmill:kv_offload_store_errors", "tokenmill:kv_offload_store_errors_total",
+                      medium="VALKEY") >= 1
+        assert metric(b, "tokenmill:kv_offload_healthy", "tokenmill:kv_offload_healthy", medium="VALKEY") == 0
+    finally:
+        a.stop()
+        b.stop()
