@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test bench kernels models-extra ray-extra clean-venv gpu-wheels
+.PHONY: serve test test-services bench kernels models-extra ray-extra clean-venv gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,7 +38,15 @@ ray-extra: $(STAMP)
 serve: kernels
 	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: kernels models-extra ray-extra
+# The real services the tests start on free ports: a Valkey server (Debian bookworm packages Redis, which speaks the
+# same protocol; valkey-server is used where the distribution has it).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+test-services:
+	command -v valkey-server >/dev/null || command -v redis-server >/dev/null || \
+		{ $(SUDO) apt-get update -qq && ($(SUDO) apt-get install -y -qq valkey-server || \
+		  $(SUDO) apt-get install -y -qq redis-server); }
+
+test: kernels models-extra ray-extra test-services
 	$(PY) -m pytest -q -x --durations=15
 
 bench: $(STAMP)

@@ -127,6 +127,40 @@ class RemoteServer:
             os.unlink(self.log.name)
 
 
+class ValkeyServer:
+    """A real valkey-server (or redis-server, from the Debian package `make test` installs) on a free port, with
+    nothing saved to disk; kill() stops it at once, as a crash would, and start() brings it back on the same port."""
+
+    def __init__(self):
+        import shutil
+        self.binary = shutil.which("valkey-server") or shutil.which("redis-server")
+        if self.binary is None:
+            raise RuntimeError("no valkey-server or redis-server: `make test` installs the redis-server package")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--maxmemory", "256mb",
+                                      "--maxmemory-policy", "allkeys-lru"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def pong():
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        wait_until(pong, 20, message=f"{self.binary} answering on port {self.port}", retry_on=(OSError,))
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        stop_process(self.proc, 10)
+
+
 def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
     """SIGTERM, and SIGKILL if the process has not exited timeout_s later."""
     if proc.poll() is None:

@@ -71,6 +71,58 @@ class KVEventsConfig:
         return parse_json_flag(cls, "--kv-events-config", text)
 
 
+# The connectors --kv-transfer-config may name: a store shared by replicas (engine/kv_store.py).
+KV_CONNECTORS = ("ValkeyConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """--kv-transfer-config: vLLM's KVTransferConfig, as JSON. Its fields that mean nothing to a connector here
+    (ranks, buffer sizes, module paths) are refused when set, not ignored: see __post_init__."""
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    engine_id: str | None = None
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_buffer_device: str | None = None
+    kv_buffer_size: float | None = None
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_connector_module_path: str | None = None
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self):
+        flag = "--kv-transfer-config"
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"{flag}: kv_connector must be one of {list(KV_CONNECTORS)}, got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"{flag}: kv_role must be one of {list(KV_ROLES)}, got {self.kv_role!r}")
+        for name in ("kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_connector_module_path"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{flag}: {name} is not supported by {self.kv_connector}")
+        if self.kv_parallel_size != 1:
+            raise ValueError(f"{flag}: kv_parallel_size must be 1 (one engine per instance)")
+        if self.kv_load_failure_policy != "recompute":
+            raise ValueError(f"{flag}: kv_load_failure_policy must be 'recompute': a block that fails to load is "
+                             "computed, never a failed request")
+        if self.kv_connector == "ValkeyConnector":
+            extra = self.kv_connector_extra_config
+            if set(extra) - {"url"} or not str(extra.get("url", "")).startswith(("redis://", "valkey://",
+                                                                                    "rediss://", "valkeys://")):
+                raise ValueError(f"{flag}: ValkeyConnector takes kv_connector_extra_config "
+                                 '{"url": "redis://HOST:PORT"}' f", got {extra!r}")
+
+    @property
+    def url(self) -> str:
+        return self.kv_connector_extra_config["url"]
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        return parse_json_flag(cls, "--kv-transfer-config", text)
+
+
 # --speculative-config: vLLM's JSON shape, e.g. '{"method": "ngram", "num_speculative_tokens": 4,
 # "prompt_lookup_min": 2, "prompt_lookup_max": 5}', '{"method": "suffix"}' or '{"method": "draft_model", "model":
 # PATH, "num_speculative_tokens": 4}' (as in vLLM, a "model" without a "method" means draft_model).
@@ -282,6 +334,21 @@ class EngineConfig(CliConfig):
     max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank served (slots are this wide)"})
     max_cpu_loras: int | None = field(default=None, metadata={
         "help": "LoRA adapters kept loaded on the CPU, least recently used dropped first (default: --max-loras)"})
+    kv_offloading_size: float | None = field(default=None, metadata={
+        "help": "GiB of KV blocks kept beyond the pool (vLLM's flag): every computed prefix block is also saved "
+                "there, and a request whose prefix left the pool loads it back instead of computing it "
+                "(tokenmill/engine/kv_offload.py)"})
+    kv_offloading_backend: str = field(default="native", metadata={
+        "help": "where --kv-offloading-size keeps blocks: native (host memory, vLLM's default) | disk (files "
+                "under --kv-offloading-dir, found again after a restart)", "choices": ["native", "disk", "lmcache"]})
+    kv_offloading_dir: str | None = field(default=None, metadata={
+        "help": "the disk tier's directory (default: kv-blocks under TOKENMILL_CACHE_DIR)"})
+    kv_transfer_config: KVTransferConfig | None = field(default=None, metadata={
+        "type": KVTransferConfig.from_json,
+        "help": "share KV blocks with other instances, as vLLM's JSON: '{\"kv_connector\": \"ValkeyConnector\", "
+                "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {\"url\": \"redis://HOST:6379\"}}' "
+                "(a Valkey or Redis server that every replica writes its computed blocks to and loads prefixes from; "
+                "kv_producer only writes, kv_consumer only reads; tokenmill/engine/kv_offload.py)"})
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # LLM(...) may pass a dict
@@ -306,6 +373,7 @@ class EngineConfig(CliConfig):
                 raise ValueError("give --gpu-memory-utilization or --kv-cache-memory, not both")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"--hf-overrides takes a JSON object, got {self.hf_overrides!r}")
+        self.kv_transfer_config = KVTransferConfig.from_json(self.kv_transfer_config)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1) or self.max_num_seqs < 1:
@@ -315,6 +383,13 @@ class EngineConfig(CliConfig):
             raise ValueError("--max-loras and --max-lora-rank must be positive")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
+        if self.kv_offloading_backend == "lmcache":
+            raise ValueError("--kv-offloading-backend lmcache: LMCache is not supported; use native (host memory) "
+                             "or disk")
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError(f"--kv-offloading-size must be positive (GiB), got {self.kv_offloading_size}")
+        if self.kv_offloading_size is None and (self.kv_offloading_backend != "native" or self.kv_offloading_dir):
+            raise ValueError("--kv-offloading-backend and --kv-offloading-dir take effect with --kv-offloading-size")
 
     @property
     def reasoning(self) -> ReasoningSpec | None:

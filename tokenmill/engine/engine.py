@@ -3,15 +3,21 @@
 Stop strings need text, so the front end (offline LLM or API server) detokenizes and aborts on a match."""
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import os
 import time
 
 import msgspec
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.engine.encoder_runner import EncoderRunner
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.kv_events import BlockRemoved, BlockStored
+from tokenmill.engine.kv_offload import KVOffloader, SaveJob, Tier
+from tokenmill.engine.kv_store import DiskStore, MemoryStore, ValkeyStore
 from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats, validate_request
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
@@ -87,6 +93,42 @@ class EngineCore:
             if config.speculative_config.method == "draft_model":
                 proposer = DraftModelProposer(config, self.runner, self.max_model_len, get_tokenizer())
             self.speculator = self.scheduler.speculator = Speculator(config.speculative_config, proposer)
+        self.offload = self.scheduler.offload = self._offloader(config, prefix_caching)
+        self._save_backlog: collections.deque[SaveJob] = collections.deque()  # computed, not yet queued
+        if self.offload is not None:
+            self.kv_cache.newly_cached = []
+
+    def _offloader(self, config: EngineConfig, prefix_caching: bool) -> KVOffloader | None:
+        """The tiers beyond the pool: --kv-offloading-size (host memory or a directory), then a store shared by
+        replicas (--kv-transfer-config). A disk tier that cannot be created (a read-only or missing filesystem)
+        is a warning, and a store that is down at start is one too: the server serves without them, recomputing."""
+        tiers = []
+        if config.kv_offloading_size is not None:
+            capacity = int(config.kv_offloading_size * 1024**3)
+            if config.kv_offloading_backend == "disk":
+                root = config.kv_offloading_dir or os.path.join(envs.TOKENMILL_CACHE_DIR, "kv-blocks")
+                try:
+                    tiers.append(Tier(DiskStore(root, capacity)))
+                    logger.info("KV disk tier: %s, %.2f GiB, %.1f MiB there now", root, config.kv_offloading_size,
+                                tiers[-1].store.occupancy / 2**20)
+                except OSError as e:
+                    logger.warning("KV disk tier off: cannot use %s (%s); serving without it", root, e)
+            else:
+                tiers.append(Tier(MemoryStore(capacity)))
+        transfer = config.kv_transfer_config
+        if transfer is not None and transfer.kv_connector == "ValkeyConnector":
+            tiers.append(Tier(ValkeyStore(transfer.url), read=transfer.kv_role != "kv_producer",
+                              write=transfer.kv_role != "kv_consumer"))
+            logger.info("KV blocks shared through %s (%s)", transfer.url, transfer.kv_role)
+        if not tiers and config.kv_offloading_size is None:
+            return None
+        if self.runner_type != "generate" or not prefix_caching:
+            raise ValueError("--kv-offloading-size and --kv-transfer-config keep prefix-cache blocks: they need "
+                             "--enable-prefix-caching and a generating model")
+        if not tiers:
+            return None
+        # a save pins its block until written: at most a quarter of the pool waits for the worker
+        return KVOffloader(tiers, self.runner.block_layout(self.model_info), max(8, self.kv_cache.num_blocks // 4))
 
     @property
     def matryoshka(self) -> bool:
@@ -151,13 +193,21 @@ class EngineCore:
         self.structured.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests, or the tier's saves (so an idle engine still writes what it computed last)."""
+        return self.scheduler.has_unfinished() or (
+            self.offload is not None and (self.offload.busy or bool(self._save_backlog)))
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.offload is not None:
+            self._offload_poll()
         sched = self.scheduler.schedule()
         self.last_step_tokens = sum(sched.num_scheduled_tokens.values())
         failed = [self._abort_failed(rid) for rid in self.structured.take_failed()]
         if not sched.requests:
+            if self.offload is not None:  # only the tier's work to wait for: wait for it, not in a busy loop
+                self._offload_save()
+                if self.scheduler.loading or self.offload.busy:
+                    self.offload.wait(0.005)
             return failed
         block_tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.requests}
         result = self.runner.execute(sched, block_tables)
@@ -193,7 +243,50 @@ class EngineCore:
                 self.scheduler.finish(r, status)
                 self.structured.remove(r.request_id)
             outputs.append(self._output(r, [token], [lp] if lp else None, prompt_lp))
+        if self.offload is not None:
+            self._offload_save()
         return outputs
+
+    def _offload_save(self) -> None:
+        """Saves the blocks this step computed, pinned until the tier's worker has copied them. Past the number
+        of saves in flight (a quarter of the pool), blocks wait unpinned in a backlog; one the pool hands out
+        meanwhile is not saved."""
+        pool, bs, backlog = self.kv_cache.pool, self.kv_cache.block_size, self._save_backlog
+        for block, r, i in self.kv_cache.take_newly_cached():
+            lora = r.lora_request
+            backlog.append(SaveJob(block.block_id, r.block_hashes[i], (
+                r.block_hashes[i - 1] if i else None, r.all_token_ids[i * bs:(i + 1) * bs],
+                lora.lora_int_id if lora else None, lora.lora_name if lora else None, r.extra_keys)))
+        jobs = []
+        while backlog and len(jobs) < self.offload.room:
+            job = backlog.popleft()
+            if pool.blocks[job.block_id].block_hash == job.block_hash:
+                jobs.append(job)
+            else:
+                self.offload.counters.saves_skipped += 1
+        queued = self.offload.save(jobs)
+        pool.touch([pool.blocks[job.block_id] for job in queued])
+
+    def _offload_poll(self) -> None:
+        """Takes the tier's finished work: loaded requests back to the queue, saved blocks unpinned (and their
+        KV events, with the tier's medium)."""
+        loads, saved = self.offload.poll()
+        for job in loads:
+            self.scheduler.finish_load(job.request_id, job.num_ok)
+        if not saved:
+            return
+        pool = self.kv_cache.pool
+        pool.free([pool.blocks[job.block_id] for job in saved])
+        if pool.events is None:
+            return
+        bs = self.kv_cache.block_size
+        for job in saved:
+            parent, tokens, lora_id, lora_name, extra_keys = job.event
+            for medium in job.stored:
+                pool.events.append(BlockStored([job.block_hash], parent, tokens, bs, lora_id, medium, lora_name,
+                                               [list(extra_keys)] if extra_keys else None))
+            for medium, keys in job.evicted:
+                pool.events.append(BlockRemoved([key[8:] for key in keys], medium))
 
     def _accept_verified(self, r: Request, emitted: list[int]) -> EngineCoreOutput:
         """A request verified with drafts (spec_decode/): emitted holds its accepted drafts and the token after
@@ -234,7 +327,7 @@ class EngineCore:
         t = r.times
         return EngineCoreOutput(r.request_id, tokens, r.finish_reason, logprobs, prompt_logprobs,
                                 r.num_cached_tokens, t.arrival, t.first_scheduled or 0.0, t.first_token or 0.0,
-                                t.finished or 0.0, pooled)
+                                t.finished or 0.0, pooled, r.num_external_tokens)
 
     def scheduler_stats(self, step_tokens: int = 0) -> SchedulerStats:
         s, kv, spec = self.scheduler, self.kv_cache, self.speculator
@@ -247,6 +340,12 @@ class EngineCore:
                 for r in requests:
                     if r.lora_request is not None:
                         counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+        if self.offload is not None:
+            stats.external_prefix_cache_queries, stats.external_prefix_cache_hits = kv.external_queries, kv.external_hits
+            stats.kv_offload = self.offload.stats()
+            stats.kv_offload.num_loading = len(s.loading)
+            stats.num_waiting += len(s.loading)  # vLLM counts them waiting, "deferred" (for their KV)
+            stats.num_waiting_deferred += len(s.loading)
         if spec is not None:
             stats.spec_num_drafts, stats.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens

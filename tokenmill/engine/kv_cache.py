@@ -89,6 +89,10 @@ class KVCacheManager:
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
         self.prefix_cache_queries = 0  # tokens looked up, counted once per admission
         self.prefix_cache_hits = 0  # tokens found
+        self.external_queries = 0  # tokens looked up in the tier beyond the pool (kv_offload.py)
+        self.external_hits = 0  # tokens loaded from it
+        # with a tier: (block, request, block index) of each block newly cached, saved once its step has run
+        self.newly_cached: list[tuple[KVCacheBlock, Request, int]] | None = None
 
     @property
     def usage(self) -> float:
@@ -114,9 +118,10 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+                       computed_blocks: Sequence[KVCacheBlock] = (), cache: bool = True) -> bool:
         """Make room for num_new_tokens more tokens after the computed ones; False (and no change) if the
-        pool cannot. computed_blocks are prefix-cache hits for a request that has none yet."""
+        pool cannot. computed_blocks are prefix-cache hits for a request that has none yet. cache=False: the new
+        blocks are not registered by hash (a tier is loading them: cache_loaded registers those it filled)."""
         table = self.block_tables.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
@@ -131,7 +136,7 @@ class KVCacheManager:
             table.extend(computed_blocks)
         if need > 0:
             table.extend(self.pool.take_fresh(need))
-        if self.enable_prefix_caching:  # drafts (past num_tokens) are never cached: see keep_verified
+        if self.enable_prefix_caching and cache:  # drafts (past num_tokens) are never cached: see keep_verified
             self._cache_full_blocks(request, table, num_computed, min(num_computed + num_new_tokens,
                                                                       request.num_tokens))
         return True
@@ -147,12 +152,25 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, table, first_token, request.num_computed_tokens)
 
+    def cache_loaded(self, request: Request, first: int, filled: int) -> None:
+        """A tier filled blocks first..first+filled-1 of the request's table: register them by hash (so other
+        requests share them) and hand the blocks it did not fill back to the pool."""
+        table = self.block_tables[request.request_id]
+        keep = first + filled
+        if len(table) > keep:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
+        self._cache_full_blocks(request, table, first * self.block_size, keep * self.block_size, save=False)
+
+    def has_table(self, request: Request) -> bool:
+        return bool(self.block_tables.get(request.request_id))
+
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
 
     def _cache_full_blocks(self, request: Request, table: list[KVCacheBlock], start_token: int,
-                           end_token: int) -> None:
+                           end_token: int, save: bool = True) -> None:
         # Blocks are registered when scheduled, not when computed: within a step every layer writes all new
         # K/V before any attention reads, so a request admitted in the same step may already share them.
         first, last = start_token // self.block_size, end_token // self.block_size
@@ -164,6 +182,12 @@ class KVCacheManager:
         stored = [i for i in range(first, last) if self.pool.cache(table[i], request.block_hashes[i])]
         if stored and self.pool.events is not None:
             self._record_stored(request, stored)
+        if save and self.newly_cached is not None:
+            self.newly_cached.extend((table[i], request, i) for i in stored)
+
+    def take_newly_cached(self) -> list[tuple[KVCacheBlock, Request, int]]:
+        out, self.newly_cached = self.newly_cached, []
+        return out
 
     def _record_stored(self, request: Request, stored: list[int]) -> None:
         """One BlockStored per run of consecutive newly cached blocks, chained to the block before the run."""

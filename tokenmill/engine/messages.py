@@ -73,6 +73,24 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: float = 0.0
     finished_time: float = 0.0
     pooled: list[float] | None = None  # a pooling request's vector, in its one (finishing) output
+    num_external_tokens: int = 0  # of num_cached_tokens, those loaded from the tier beyond the pool
+
+
+class OffloadStats(msgspec.Struct, array_like=True):
+    """The tiers beyond the pool (engine/kv_offload.py): cumulative counters, per-medium state, and the loads'
+    latencies since the last report."""
+    bytes_written: int = 0
+    bytes_read: int = 0
+    blocks_written: int = 0
+    blocks_read: int = 0
+    saves_skipped: int = 0
+    blocks_rejected: dict[str, int] = msgspec.field(default_factory=dict)  # reason → blocks
+    store_errors: dict[str, int] = msgspec.field(default_factory=dict)  # medium → failed calls
+    occupancy_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # medium → bytes held
+    capacity_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # medium → cap (0: the store's own)
+    healthy: dict[str, bool] = msgspec.field(default_factory=dict)
+    load_seconds: list[float] = msgspec.field(default_factory=list)
+    num_loading: int = 0  # requests waiting for their blocks
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -96,6 +114,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # LoRA (vLLM's names): adapter name → its requests running / waiting
     running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    # the tiers beyond the pool: vLLM's external prefix cache counters (tokens), and tokenmill's own
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload: OffloadStats | None = None
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):

@@ -47,7 +47,9 @@ class Request:
         self.extra_keys = extra_keys  # e.g. LoRA id or cache_salt: enters every block hash
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
+        self.num_cached_tokens = 0  # prefix-cache hit at first scheduling (the tier's blocks included)
+        self.num_external_tokens = 0  # of those, tokens loaded from the tier beyond the pool (kv_offload.py)
+        self.kv_loaded = False  # the tier was asked for its prefix since its last (re)admission
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.times = RequestTimes()

@@ -11,6 +11,7 @@ import torch
 from tokenmill.config import EngineConfig, parse_memory
 from tokenmill.engine.cuda_graph import DecodeCUDAGraphs, DecodeInputBuffers, capture_sizes
 from tokenmill.engine.host_memory import keep_freed_memory_in_process
+from tokenmill.engine.kv_blocks import BlockLayout, model_fingerprint
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler, logprob_entries
 from tokenmill.engine.scheduler import SchedulerOutput
@@ -19,7 +20,7 @@ from tokenmill.engine.transfer import to_device
 from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, TritonBackend, get_attention_backend
-from tokenmill.models.kv_quant import kv_storage_dtype, needs_calibration
+from tokenmill.models.kv_quant import is_one_byte, kv_storage_dtype, needs_calibration
 from tokenmill.models.loader import ModelInfo, load_model, resolve_dtype
 
 logger = logging.getLogger("tokenmill.runner")
@@ -115,6 +116,15 @@ class ModelRunner:
                     config.kv_cache_dtype, str(self.kv_dtype).removeprefix("torch."),
                     self._block_bytes() // self.block_size, self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size, self.num_blocks * self._block_bytes() / 1024**3)
+
+    def block_layout(self, info: ModelInfo) -> BlockLayout:
+        """The pool's blocks as bytes (engine/kv_blocks.py), named by everything that gives those bytes their
+        meaning: the checkpoint, the dtypes, the weights' quantization, the attention backend's layout."""
+        identity = {"model": model_fingerprint(info.path), "architecture": info.architecture,
+                    "dtype": str(self.dtype), "kv_dtype": str(self.kv_dtype), "quantization": self.config.quantization,
+                    "backend": type(self.backend).__name__, "block_size": self.block_size}
+        return BlockLayout(self.kv_caches, identity, self.kv_scales if is_one_byte(self.kv_dtype) else None,
+                           lambda: not self.backend.calibrating)
 
     def _block_bytes(self) -> int:
         per_token = 2 * len(self.model.layers) * self.model.num_kv_heads * self.model.head_dim

@@ -80,13 +80,17 @@ class Scheduler:
         # the runner's LoRAManager with --enable-lora: at most max_loras adapters among running requests, and a
         # finished request releases its adapter
         self.lora = None
+        # the tier beyond the pool (kv_offload.KVOffloader) with --kv-offloading-size, and the requests whose
+        # prefix it is loading: they wait outside the queue, in no step, until finish_load
+        self.offload = None
+        self.loading: dict[str, Request] = {}
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -126,15 +130,30 @@ class Scheduler:
                 not_ready.append(self.waiting.pop())
                 continue
             hits, num_hit = [], 0
-            if request.params.prompt_logprobs is None:  # prompt logprobs need every prompt position's logits
+            loaded = request.kv_loaded and self.kv_cache.has_table(request)  # holds the tier's blocks already
+            if loaded:
+                num_hit = request.num_computed_tokens
+            elif request.params.prompt_logprobs is None:  # prompt logprobs need every prompt position's logits
                 hits, num_hit = self.kv_cache.get_computed_blocks(request)
+                if self.offload is not None and not request.kv_loaded and request.pooling is None:
+                    started = self._load_from_tier(request, hits)
+                    if started == "asking":  # a remote store is asked what it holds: keeps its place
+                        not_ready.append(self.waiting.pop())
+                        continue
+                    if started == "no room":
+                        break
+                    if started == "loading":
+                        continue
             num_new = min(request.num_tokens - num_hit, budget)
             if request.pooling is not None and num_new < request.num_tokens - num_hit:
                 break  # pooled in one step, never chunked: it waits for a step with room for all of it
             if not self.kv_cache.allocate_slots(request, num_new, hits):
+                if loaded and not self.running:  # nothing running will free blocks: give its own back (they
+                    self.kv_cache.free(request)  # stay cached, so the next try finds what is left of them)
+                    request.num_computed_tokens = 0
                 break
             self.waiting.pop()
-            self.kv_cache.record_admission(request, num_hit)
+            self.kv_cache.record_admission(request, num_hit - request.num_external_tokens)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit
                 request.times.first_scheduled = time.monotonic()
@@ -148,6 +167,47 @@ class Scheduler:
         for request in reversed(not_ready):
             self.waiting.add(request, front=True)
         return out
+
+    def _load_from_tier(self, request: Request, hits: list) -> str | None:
+        """Starts loading the blocks past the pool's hits that the tiers hold into fresh blocks ("loading"); None
+        if they hold none, "asking" while a remote store is asked, "no room" if the pool has none for them."""
+        bs = self.kv_cache.block_size
+        start, end = len(hits), (request.num_tokens - 1) // bs  # the last token is always computed
+        if end <= start:
+            return None
+        found = self.offload.lookup(request.request_id, request.block_hashes[start:end])
+        if found is None:
+            return "asking"
+        request.kv_loaded = True  # asked once per admission; a preemption asks again
+        self.kv_cache.external_queries += (end - start) * bs
+        if not found:
+            return None
+        if not self.kv_cache.allocate_slots(request, found * bs, hits, cache=False):
+            request.kv_loaded = False
+            return "no room"
+        self.waiting.pop()
+        request.num_computed_tokens = start * bs
+        self.loading[request.request_id] = request
+        table = self.kv_cache.block_tables[request.request_id]
+        self.offload.load(request.request_id, [(request.block_hashes[i], table[i].block_id)
+                                               for i in range(start, start + found)])
+        return "loading"
+
+    def finish_load(self, request_id: str, num_loaded: int) -> None:
+        """The tier filled the first num_loaded of the blocks it was asked for (it stops at a missing or
+        rejected one): they join the prefix cache, and the request goes back to the front of the queue."""
+        request = self.loading.pop(request_id)
+        if request.status.finished:  # aborted while its blocks were written: they are free only now
+            self.kv_cache.free(request)
+            return
+        first = request.num_computed_tokens // self.kv_cache.block_size
+        self.kv_cache.cache_loaded(request, first, num_loaded)
+        request.num_computed_tokens = (first + num_loaded) * self.kv_cache.block_size
+        request.num_external_tokens = num_loaded * self.kv_cache.block_size
+        self.kv_cache.external_hits += request.num_external_tokens
+        if not self.kv_cache.has_table(request):
+            self.kv_cache.free(request)
+        self.waiting.add(request, front=True)
 
     def running_loras(self) -> set[int]:
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
@@ -176,6 +236,8 @@ class Scheduler:
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.kv_loaded = False
+        request.num_external_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
@@ -184,13 +246,17 @@ class Scheduler:
         """End a request (stop, length or abort) and release its blocks at once."""
         if request.status.finished:
             return
+        loading = request.request_id in self.loading
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif not loading:
             self.waiting.remove(request)
         request.status = status
         request.times.finished = time.monotonic()
-        self.kv_cache.free(request)
+        if not loading:  # a tier is writing its blocks: finish_load frees them
+            self.kv_cache.free(request)
+        if self.offload is not None:
+            self.offload.forget(request.request_id)
         if self.speculator is not None:
             self.speculator.finish(request)
         if self.lora is not None and request.lora_request is not None:

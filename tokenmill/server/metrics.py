@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats
+from tokenmill.server.kv_offload_metrics import KVOffloadMetrics
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -157,6 +158,13 @@ class ServerMetrics:
         if max_loras:
             self._lora_requests = Counter("tokenmill:lora_requests", "Finished requests per LoRA adapter.",
                                           ["model_name", "lora_name", "finished_reason"], registry=r)
+        self.kv_offload = KVOffloadMetrics(r, model_name)
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            ["model_name", "source"], registry=r)
+        self.prompt_tokens_by_source = {source: by_source.labels(model_name, source)
+                                        for source in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local + external).")
         self._engine_totals = (0, 0, 0)  # prefix queries, prefix hits, preemptions, as last reported
         self._tracked: dict[str, _Tracked] = {}
         # plain copies for the periodic stats line (prometheus_client has no public read of a counter)
@@ -180,6 +188,7 @@ class ServerMetrics:
             if new > old:
                 metric.inc(new - old)
         self._engine_totals = totals
+        self.kv_offload.record(stats)
         spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
         for metric, new, old in zip((self.spec_num_drafts, self.spec_num_draft_tokens,
                                      self.spec_num_accepted_tokens), spec, self._spec_totals):
@@ -241,6 +250,11 @@ class ServerMetrics:
             t.first_token = out.first_token_time or timestamp
             self.ttft.observe(max(0.0, t.first_token - t.arrival))
             self.prompt_tokens.inc(t.num_prompt_tokens)
+            cached, external = min(out.num_cached_tokens, t.num_prompt_tokens), out.num_external_tokens
+            self.prompt_tokens_by_source["local_compute"].inc(t.num_prompt_tokens - cached)
+            self.prompt_tokens_by_source["local_cache_hit"].inc(cached - external)
+            self.prompt_tokens_by_source["external_kv_transfer"].inc(external)
+            self.prompt_tokens_cached.inc(cached)
             self.num_prompt_tokens += t.num_prompt_tokens
         else:
             self.itl.observe(max(0.0, timestamp - t.last_token))

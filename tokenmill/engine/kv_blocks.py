@@ -1,0 +1,127 @@
+"""One KV block as bytes: what a tier beyond the pool stores, and what a transfer to another instance sends.
+
+A block's bytes are, layer by layer, its K then its V slice of the pool ([block] of each cache tensor, in the
+backend's own layout). They mean something only to an engine with the same model, dtypes, backend layout,
+block size and (for one-byte caches) KV scales, so every entry carries the layout key (a digest of all of those)
+and its block hash, and a checksum of the payload: `unpack` returns None, with the reason, for an entry that is
+short, corrupted, or was written by another layout or for another block. A wrong token is never an option;
+recomputing is.
+
+Reading and writing blocks copies between the pool and host bytes with torch, which releases the GIL, so a tier's
+worker thread can do it while the step loop runs other blocks. The caller guarantees that nobody writes a block
+while it is read (a saved block is pinned) and nobody reads one while it is written (a loading request owns it)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+
+import torch
+
+MAGIC = b"TMKVBLK1"
+_HEADER = struct.Struct("<8s32s32sQ16s")  # magic, layout key, block hash, payload length, checksum
+HEADER_SIZE = _HEADER.size
+
+
+def checksum(payload) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def pack(layout_key: bytes, block_hash: bytes, payload) -> bytes:
+    return _HEADER.pack(MAGIC, layout_key, block_hash, len(payload), checksum(payload)) + bytes(payload)
+
+
+def unpack(entry: bytearray | bytes | None, layout_key: bytes, block_hash: bytes) -> tuple[memoryview | None, str]:
+    """(payload, "") for a good entry, else (None, why): missing, short, magic, layout, hash, length, checksum.
+    The payload is a writable view (torch reads it without a copy), so bytes are copied into a bytearray."""
+    if entry is None:
+        return None, "missing"
+    if isinstance(entry, bytes):
+        entry = bytearray(entry)
+    if len(entry) < HEADER_SIZE:
+        return None, "short"
+    magic, layout, key, length, digest = _HEADER.unpack_from(entry)
+    if magic != MAGIC:
+        return None, "magic"
+    if layout != layout_key:
+        return None, "layout"
+    if key != block_hash:
+        return None, "hash"
+    payload = memoryview(entry)[HEADER_SIZE:]
+    if len(payload) != length:
+        return None, "length"
+    if checksum(payload) != digest:
+        return None, "checksum"
+    return payload, ""
+
+
+def model_fingerprint(path: str) -> dict:
+    """What identifies a checkpoint wherever it is installed: its config and, per weight file, the name, size and
+    digests of its first and last MiB (reading whole files would cost seconds at start-up)."""
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, f) for f in os.listdir(path)
+        if f.endswith((".safetensors", ".gguf", ".bin", ".pt")) or f == "config.json")
+    out = {}
+    for f in files:
+        size = os.path.getsize(f)
+        with open(f, "rb") as fh:
+            head = fh.read(1 << 20)
+            fh.seek(max(0, size - (1 << 20)))
+            tail = fh.read(1 << 20)
+        out[os.path.basename(f)] = [size, hashlib.sha256(head).hexdigest(), hashlib.sha256(tail).hexdigest()]
+    return out
+
+
+class BlockLayout:
+    """The pool's per-block layout: the K and V slices of every layer, and the key that names it."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], identity: dict,
+                 scales: torch.Tensor | None = None, final=lambda: True):
+        """identity: model fingerprint, dtypes, backend, block size...; scales: the one-byte cache's KV scales,
+        which change the meaning of every byte (None for other dtypes); final(): False until the first forward
+        pass has calibrated them (until then no block may be loaded: its bytes would be read with other scales)."""
+        self.kv_caches = kv_caches
+        self.identity = identity
+        self.scales = scales
+        self.final = final
+        first_k, first_v, _ = kv_caches[0]
+        self.slice_bytes = [(k[0].numel() * k.element_size(), v[0].numel() * v.element_size())
+                            for k, v, _ in kv_caches]
+        self.block_bytes = sum(a + b for a, b in self.slice_bytes)
+        self._key: bytes | None = None
+
+    def key(self) -> bytes:
+        """32 bytes naming the layout; a one-byte cache's scales enter it (read each time: the first forward pass
+        may calibrate them)."""
+        if self._key is None or self.scales is not None:
+            ident = dict(self.identity, shapes=[[list(k.shape[1:]), list(v.shape[1:]), str(k.dtype)]
+                                                 for k, v, _ in self.kv_caches])
+            digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode())
+            if self.scales is not None:
+                digest.update(self.scales.detach().to("cpu", torch.float32).numpy().tobytes())
+            self._key = digest.digest()
+        return self._key
+
+    def read(self, block_id: int) -> bytearray:
+        """The block's bytes (a copy: the block may be reused once this returns)."""
+        out = bytearray(self.block_bytes)
+        host = torch.frombuffer(out, dtype=torch.uint8)
+        offset = 0
+        for (k, v, _), (kb, vb) in zip(self.kv_caches, self.slice_bytes):
+            host[offset:offset + kb].copy_(k[block_id].reshape(-1).view(torch.uint8))
+            offset += kb
+            host[offset:offset + vb].copy_(v[block_id].reshape(-1).view(torch.uint8))
+            offset += vb
+        return out
+
+    def write(self, block_id: int, payload) -> None:
+        """Writes a block's bytes (from read(), possibly in another process) into block_id of this pool."""
+        assert len(payload) == self.block_bytes
+        host = torch.frombuffer(payload, dtype=torch.uint8)
+        offset = 0
+        for (k, v, _), (kb, vb) in zip(self.kv_caches, self.slice_bytes):
+            for cache, size in ((k, kb), (v, vb)):
+                dst = cache[block_id]
+                dst.copy_(host[offset:offset + size].view(cache.dtype).view(dst.shape))
+                offset += size

@@ -1,0 +1,299 @@
+"""The tiers beyond the pool: blocks saved to stores as they are computed, and loaded back into free blocks when a
+later request's prefix misses the pool but hits a store: host memory or a directory (vLLM's
+`--kv-offloading-size`), and a Valkey server shared by replicas (`--kv-transfer-config` with ValkeyConnector).
+
+Write-through, not write-on-evict: a block is saved once, right after the step that computed it, whatever
+becomes of it in the pool. Saving on eviction would have to copy the block out before the step that reuses it
+runs, inside the step loop; and a store shared by replicas must hold what a replica computed, evicted or not.
+
+Nothing here runs on the step loop's time but bookkeeping. One worker thread, at a lower OS priority, does the
+copies, checksums and I/O: saves of pinned blocks (a reference is held until the copy is done, so the pool
+cannot hand the block out meanwhile), and loads into blocks that a waiting request owns (scheduler.py keeps it
+out of every step until `poll_loads` reports it), and lookups in a remote store (the request is stepped over
+until the answer comes). Lookups and loads go before saves. A load stops at the first entry that is
+missing or fails its checks (engine/kv_blocks.py): the rest of the chain is computed, never guessed. Store
+errors (a full or read-only disk, a store that went away) cost only recomputation, with one log line each time
+the tier's state changes, and a counter."""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.engine.kv_blocks import BlockLayout, pack, unpack
+from tokenmill.engine.messages import OffloadStats
+
+logger = logging.getLogger("tokenmill.engine")
+
+
+@dataclass
+class Tier:
+    store: object  # engine/kv_store.py: MemoryStore, DiskStore or ValkeyStore
+    read: bool = True  # looked up and loaded from (not for a kv_producer)
+    write: bool = True  # saved to (not for a kv_consumer)
+
+
+@dataclass
+class SaveJob:
+    block_id: int
+    block_hash: bytes
+    event: tuple  # (parent hash, token ids, lora id, lora name, extra keys): for the tier's BlockStored
+    stored: list[str] = field(default_factory=list)  # the media it was written to
+    evicted: list[tuple[str, list[bytes]]] = field(default_factory=list)  # (medium, keys) the writes pushed out
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    blocks: list[tuple[bytes, int]]  # (block hash, block id), in chain order
+    started: float = field(default_factory=time.monotonic)
+    num_ok: int = 0
+
+
+@dataclass
+class LookupJob:
+    request_id: str
+    keys: list[bytes]
+    found: int = 0
+
+
+@dataclass
+class OffloadCounters:
+    """Cumulative since start (SchedulerStats carries them to /metrics)."""
+    bytes_written: int = 0
+    bytes_read: int = 0
+    blocks_written: int = 0
+    blocks_read: int = 0
+    blocks_rejected: collections.Counter = field(default_factory=collections.Counter)  # reason → blocks
+    store_errors: collections.Counter = field(default_factory=collections.Counter)  # medium → failed calls
+    saves_skipped: int = 0  # the block left the pool before a save had room (too many in flight)
+    load_seconds: list[float] = field(default_factory=list)  # per load, taken by each stats message
+
+
+class KVOffloader:
+    def __init__(self, tiers: list[Tier], layout: BlockLayout, max_pending_saves: int):
+        """tiers: local ones (no I/O to know what they hold) first, then remote ones."""
+        self.tiers = tiers
+        self.layout = layout
+        self.max_pending_saves = max_pending_saves
+        self.counters = OffloadCounters()
+        self._jobs: collections.deque = collections.deque()  # lookups and loads, first come first served
+        self._saves: collections.deque[SaveJob] = collections.deque()
+        self._done: list = []  # finished jobs of every kind, for poll()
+        self._looked_up: dict[str, int] = {}  # request id → blocks found, until lookup() takes it
+        self._pending_lookups: set[str] = set()
+        self._forgotten: set[str] = set()
+        self._pending_saves = 0
+        self._cond = threading.Condition()
+        self._healthy = {tier.store.medium: True for tier in tiers}
+        self._stop = False
+        self._thread = threading.Thread(target=self._work, name="kv-offload", daemon=True)
+        self._thread.start()
+
+    # ---- keys ----
+
+    def key(self, block_hash: bytes) -> bytes:
+        """The stores' key: the layout's and the block's, so models sharing a store never meet."""
+        return self.layout.key()[:8] + block_hash
+
+    def _holder(self, key: bytes):
+        """The first readable tier known to hold key (no I/O)."""
+        for tier in self.tiers:
+            if tier.read and tier.store.contains(key):
+                return tier.store
+        return None
+
+    # ---- the step loop's side ----
+
+    def lookup(self, request_id: str, block_hashes: list[bytes]) -> int | None:
+        """How many of these blocks, from the first, the tiers hold; None while a remote store is asked (the
+        caller steps the request over and asks again)."""
+        if not self.layout.final():  # a one-byte cache before its scales are set: nothing is loadable yet
+            return 0
+        keys = [self.key(h) for h in block_hashes]
+        local = 0
+        while local < len(keys) and self._holder(keys[local]) is not None:
+            local += 1
+        if request_id in self._looked_up:
+            return max(local, self._looked_up.pop(request_id))
+        remote = [t.store for t in self.tiers if t.read and getattr(t.store, "remote", False)]
+        if local == len(keys) or not remote or not remote[0].available():
+            return local  # (a store that is down is not asked while its circuit is open)
+        if request_id not in self._pending_lookups:
+            self._pending_lookups.add(request_id)
+            self._submit(self._jobs, LookupJob(request_id, keys))
+        return None
+
+    def forget(self, request_id: str) -> None:
+        """A request that ended before it took its lookup's answer."""
+        self._looked_up.pop(request_id, None)
+        if request_id in self._pending_lookups:
+            self._forgotten.add(request_id)
+
+    def load(self, request_id: str, blocks: list[tuple[bytes, int]]) -> None:
+        """Fills these (block hash, block id) pairs from the tiers, in order; poll reports how many."""
+        self._submit(self._jobs, LoadJob(request_id, blocks))
+
+    @property
+    def room(self) -> int:
+        """Saves that may be queued now (each pins a block)."""
+        return self.max_pending_saves - self._pending_saves
+
+    @property
+    def busy(self) -> bool:
+        return self._pending_saves > 0 or bool(self._pending_lookups)
+
+    def save(self, jobs: list[SaveJob]) -> list[SaveJob]:
+        """Queues saves of the blocks some writable tier lacks (at most `room`); returns the ones queued: the
+        caller pins their blocks until poll reports them."""
+        writable = [t.store for t in self.tiers if t.write]
+        todo = [job for job in jobs
+                if not all(store.contains(self.key(job.block_hash)) for store in writable)][:self.room]
+        self._pending_saves += len(todo)
+        if todo:
+            with self._cond:
+                self._saves.extend(todo)
+                self._cond.notify()
+        return todo
+
+    def _submit(self, queue: collections.deque, job) -> None:
+        with self._cond:
+            queue.append(job)
+            self._cond.notify()
+
+    def poll(self) -> tuple[list[LoadJob], list[SaveJob]]:
+        """Finished loads and saves (lookups are kept for the next lookup() of their request)."""
+        with self._cond:
+            done, self._done = self._done, []
+        loads, saves = [], []
+        for job in done:
+            if isinstance(job, LookupJob):
+                self._pending_lookups.discard(job.request_id)
+                if job.request_id in self._forgotten:
+                    self._forgotten.discard(job.request_id)
+                else:
+                    self._looked_up[job.request_id] = job.found
+            elif isinstance(job, LoadJob):
+                loads.append(job)
+            else:
+                saves.append(job)
+        self._pending_saves -= len(saves)
+        return loads, saves
+
+    def wait(self, timeout: float) -> None:
+        """Blocks until some job finishes or timeout passes (the step loop has nothing else to do)."""
+        with self._cond:
+            if not self._done:
+                self._cond.wait(timeout)
+
+    def stats(self) -> OffloadStats:
+        """The counters, and the load latencies since the last call (they go to one report only)."""
+        c = self.counters
+        seconds, c.load_seconds = c.load_seconds, []
+        return OffloadStats(c.bytes_written, c.bytes_read, c.blocks_written, c.blocks_read, c.saves_skipped,
+                            dict(c.blocks_rejected), dict(c.store_errors),
+                            {t.store.medium: t.store.occupancy for t in self.tiers},
+                            {t.store.medium: getattr(t.store, "capacity", 0) for t in self.tiers},
+                            dict(self._healthy), seconds)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    # ---- the worker ----
+
+    def _work(self) -> None:
+        try:  # below the step loop's threads: a save may wait, a step should not
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self._cond:
+                while not (self._jobs or self._saves or self._stop):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                job = self._jobs.popleft() if self._jobs else self._saves.popleft()
+            if isinstance(job, LookupJob):
+                self._lookup(job)
+            elif isinstance(job, LoadJob):
+                self._load(job)
+            else:
+                self._save(job)
+            with self._cond:
+                self._done.append(job)
+                self._cond.notify_all()
+
+    def _lookup(self, job: LookupJob) -> None:
+        for tier in self.tiers:
+            if tier.read and getattr(tier.store, "remote", False):
+                try:
+                    job.found = max(job.found, tier.store.count_present(job.keys))
+                except OSError as e:
+                    self._failed(tier.store, "lookup", e)
+                else:
+                    self._set_healthy(tier.store, True)
+
+    def _save(self, job: SaveJob) -> None:
+        layout_key = self.layout.key()
+        key = layout_key[:8] + job.block_hash
+        entry = None
+        for tier in self.tiers:
+            if not tier.write or tier.store.contains(key):
+                continue
+            if entry is None:
+                entry = pack(layout_key, job.block_hash, self.layout.read(job.block_id))
+            try:
+                evicted = tier.store.put(key, entry)
+            except OSError as e:
+                self._failed(tier.store, "writing", e)
+                continue
+            self._set_healthy(tier.store, True)
+            self.counters.bytes_written += len(entry)
+            self.counters.blocks_written += 1
+            job.stored.append(tier.store.medium)
+            if evicted:
+                job.evicted.append((tier.store.medium, evicted))
+
+    def _load(self, job: LoadJob) -> None:
+        layout_key = self.layout.key()
+        for block_hash, block_id in job.blocks:
+            key = layout_key[:8] + block_hash
+            store = self._holder(key)
+            if store is None:
+                break
+            try:
+                entry = store.get(key)
+            except OSError as e:
+                self._failed(store, "reading", e)
+                break
+            payload, why = unpack(entry, layout_key, block_hash)
+            if payload is None:
+                self.counters.blocks_rejected[why] += 1
+                if entry is not None:
+                    logger.warning("KV %s tier: block %s rejected (%s); it is recomputed", store.medium,
+                                   block_hash.hex()[:16], why)
+                    store.discard(key)
+                break
+            self.layout.write(block_id, payload)
+            self.counters.bytes_read += len(entry)
+            self.counters.blocks_read += 1
+            job.num_ok += 1
+        self.counters.load_seconds.append(time.monotonic() - job.started)
+
+    def _failed(self, store, what: str, error: OSError) -> None:
+        self.counters.store_errors[store.medium] += 1
+        if self._healthy[store.medium]:
+            self._healthy[store.medium] = False
+            logger.warning("KV %s tier: %s failed (%s); requests recompute until it works again", store.medium,
+                           what, error)
+
+    def _set_healthy(self, store, healthy: bool) -> None:
+        if healthy and not self._healthy[store.medium]:
+            self._healthy[store.medium] = True
+            logger.info("KV %s tier: works again", store.medium)
