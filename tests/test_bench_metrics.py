@@ -83,6 +83,20 @@ def test_level_metrics_on_known_timings():
     assert empty["completed"] == 0 and empty["ttft_ms"]["p99"] is None and not empty["meets_slo"]
 
 
+def test_later_turns_are_summarized_by_where_they_ran():
+    """Multiturn behind a router: a later turn's TTFT, by whether it ran where its conversation's previous turn did
+    (its KV in that pool) or on another replica (its KV from a shared store, or recomputed)."""
+    first, same, other, unknown = (stream(0, t, [0.05] * 3) for t in (0.9, 0.1, 0.3, 0.5))
+    same.turn, same.same_replica = 1, True
+    other.turn, other.same_replica = 1, False
+    unknown.turn = 2  # no router said where it ran
+    level = level_metrics([first, same, other, unknown], duration_s=1.0, slo={}, concurrency=1)
+    assert level["ttft_later_turns_ms"]["p50"] == pytest.approx(300.0)
+    assert level["ttft_same_replica_ms"]["p50"] == pytest.approx(100.0)
+    assert level["ttft_other_replica_ms"]["p50"] == pytest.approx(300.0)
+    assert "ttft_later_turns_ms" not in level_metrics([first], duration_s=1.0, slo={}, concurrency=1)
+
+
 def fake_level(c: int, meets: bool, ttft_p99: float, tput: float, goodput: float) -> dict:
     return {"concurrency": c, "meets_slo": meets, "ttft_ms": {"p99": ttft_p99}, "output_tok_per_s": tput,
             "goodput_tok_per_s": goodput, "completed": 10}

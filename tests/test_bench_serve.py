@@ -85,6 +85,7 @@ def test_sweep_request_rate_and_multiturn(server, tmp_path):
     level = turns["results"][0]
     assert level["completed"] == 4  # 2 sessions x 2 turns
     assert level["mean_input_len"] > 16  # second turns carry the first turn and its answer
+    assert level["ttft_later_turns_ms"]["p50"] is not None and "ttft_other_replica_ms" not in level  # no router
 
 
 @pytest.mark.slow  # --launch starts a server of its own

@@ -43,7 +43,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> 
                 detail = (await response.aread())[:300].decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {detail}"
                 return record, ""
-            async for line in response.aiter_lines():
+            record.replica = response.headers.get("x-tokenmill-replica")  # set by `tokenmill router`            async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 payload = line[6:]
@@ -89,11 +89,17 @@ class Endpoint:
     async def run_session(self, client: httpx.AsyncClient, session: datasets.Session,
                           records: list[metrics.RequestRecord], on_done) -> None:
         history = ""
+        records_of_session: list[metrics.RequestRecord] = []
         for i, turn in enumerate(session.turns):
             if i and session.think_time_s:
                 await asyncio.sleep(session.think_time_s)
             history += turn.text
             record, answer = await stream_completion(client, self.url, self.body(history, turn.output_len))
+            record.turn = i
+            if i:  # behind a router: did this turn land where the conversation's previous turn ran?
+                prev = records_of_session[-1].replica
+                record.same_replica = None if prev is None or record.replica is None else prev == record.replica
+            records_of_session.append(record)
             records.append(record)
             on_done()
             if record.error:

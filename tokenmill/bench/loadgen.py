@@ -85,7 +85,10 @@ def level_line(engine: str, level: dict) -> str:
             f"{level['output_tok_per_s']:.1f} out tok/s, TTFT p50/p99 {ms(level['ttft_ms'], 'p50')}/"
             f"{ms(level['ttft_ms'], 'p99')} ms, ITL p50/p99 {ms(level['itl_ms'], 'p50')}/{ms(level['itl_ms'], 'p99')}"
             f" ms, goodput {level['goodput_tok_per_s']:.1f} tok/s ({level['goodput_req_pct']:.0f}%), "
-            f"SLO {'met' if level['meets_slo'] else 'missed'}, client CPU {level['client_cpu_pct']:.1f}%")
+            f"SLO {'met' if level['meets_slo'] else 'missed'}, client CPU {level['client_cpu_pct']:.1f}%"
+            + "".join(f", {label} TTFT p50 {ms(level[key], 'p50')} ms" for key, label in (
+                ("ttft_later_turns_ms", "turns>=2"), ("ttft_same_replica_ms", "same-replica"),
+                ("ttft_other_replica_ms", "other-replica")) if key in level))
 
 
 def dataset_info(args) -> dict:

@@ -19,6 +19,9 @@ class RequestRecord:
     input_tokens: int = 0
     output_tokens: int = 0  # the server's usage count when it sends one, else the chunks seen
     error: str | None = None
+    turn: int = 0  # its index in a multiturn conversation
+    replica: str | None = None  # the replica that served it, when a router says (x-tokenmill-replica)
+    same_replica: bool | None = None  # a later turn: on its previous turn's replica (None: no router said)
 
     @property
     def ok(self) -> bool:
@@ -132,6 +135,13 @@ def level_metrics(records: list[RequestRecord], duration_s: float, slo: dict[str
         "goodput_tok_per_s": sum(r.output_tokens for r in good) / duration_s if duration_s else 0.0,
         "goodput_req_pct": 100.0 * len(good) / len(records) if records else 0.0,
     }
+    later = [r for r in done if r.turn > 0]
+    if later:  # multiturn: the turns that may find their conversation's KV (in the pool, a tier, another replica)
+        level["ttft_later_turns_ms"] = summarize([r.ttft for r in later])
+        for key, same in (("ttft_same_replica_ms", True), ("ttft_other_replica_ms", False)):
+            placed = [r.ttft for r in later if r.same_replica is same]
+            if placed:
+                level[key] = summarize(placed)
     level["meets_slo"] = level_meets_slo(level, slo)
     return level
 
