@@ -8,7 +8,7 @@ turn back to back, the order swapped every pair (AB BA AB ...), so that both see
 and a drift within a pair is charged to each side equally often. An idle server costs nothing (its engine
 blocks on its input socket), so the two do not compete.
 
-Prints each configuration's output tokens per second over all its turns, the ratio of every pair of turns, their
+Prints each configuration's output tokens per second and ITL p50/p99 over all its turns, the ratio of every pair of turns, their
 median and a bootstrap 90% interval of the ratio of totals, and writes paired.json (with the servers'
 vllm:spec_decode_* counters).
 
@@ -36,18 +36,20 @@ from tokenmill.bench import datasets
 from tokenmill.bench.client import Endpoint, endpoint_info
 from tokenmill.bench.launch import launch_server, stop_server
 from tokenmill.bench.loadgen import run_closed_loop
+from tokenmill.bench.metrics import summarize
 from tokenmill.bench.serve import add_cli_args
 from tokenmill.models.paths import resolve_model_path
 from tokenmill.tokenizer import load_tokenizer
 
 
-def turn_tokens_and_time(endpoint: Endpoint, sessions, concurrency: int) -> tuple[int, float]:
+def turn_tokens_and_time(endpoint: Endpoint, sessions, concurrency: int) -> tuple[int, float, list[float]]:
+    """The turn's output tokens, its wall time, and its inter-token gaps (seconds)."""
     timeout = endpoint.args.request_timeout
     records, wall = asyncio.run(run_closed_loop(endpoint, sessions, concurrency, timeout, lambda: None))
     failed = [r.error for r in records if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[:2]}")
-    return sum(r.output_tokens for r in records), wall
+    return sum(r.output_tokens for r in records), wall, [gap for r in records for gap in r.itls]
 
 
 def bootstrap_ratio(tokens: dict, times: dict, a: str, b: str, pairs: int, seed: int = 0) -> tuple[float, float]:
@@ -99,12 +101,14 @@ def main() -> int:
             turn_tokens_and_time(endpoints[n], warmup, args.concurrency)
         tokens = {n: [] for n in names}
         times = {n: [] for n in names}
+        itls = {n: [] for n in names}
         for p in range(args.pairs):
             turn = measured[p * args.turn_prompts:(p + 1) * args.turn_prompts]
             for n in (names if p % 2 == 0 else names[::-1]):
-                t, s = turn_tokens_and_time(endpoints[n], turn, args.concurrency)
+                t, s, gaps = turn_tokens_and_time(endpoints[n], turn, args.concurrency)
                 tokens[n].append(t)
                 times[n].append(s)
+                itls[n].extend(gaps)
         spec_counters = {n: [line for line in httpx.get(urls[n] + "/metrics", timeout=30).text.splitlines()
                              if line.startswith("vllm:spec_decode_num_")] for n in names}
     finally:
@@ -120,14 +124,16 @@ def main() -> int:
         "concurrency": args.concurrency, "input_len": args.input_len, "output_len": args.output_len,
         "machine": platform.processor() or platform.machine(), "python": sys.version.split()[0],
         "output_tok_per_s": rate, "ratio_of_totals": rate[b] / rate[a], "ratio_90pct_interval": [low, high],
+        "itl_ms": {n: summarize(itls[n]) for n in names},
         "pair_ratios": pair_ratios, "median_pair_ratio": statistics.median(pair_ratios),
         "turn_seconds": times, "turn_tokens": tokens, "spec_decode_counters": spec_counters,
     }
     with open(os.path.join(args.out_dir, "paired.json"), "w") as f:
         json.dump(result, f, indent=1)
     for n in names:
+        itl = result["itl_ms"][n]
         print(f"{n:12s} {rate[n]:.1f} output tok/s over {args.pairs} turns of {args.turn_prompts} prompt(s) "
-              f"at c={args.concurrency}")
+              f"at c={args.concurrency}; ITL p50 {itl['p50']:.1f} ms, p99 {itl['p99']:.1f} ms")
     print(f"{b} / {a}: {rate[b] / rate[a]:.3f} (90% interval {low:.3f}-{high:.3f}); median of pairs "
           f"{statistics.median(pair_ratios):.3f}")
     return 0
