@@ -43,7 +43,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> 
                 detail = (await response.aread())[:300].decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {detail}"
                 return record, ""
-            record.replica = response.headers.get("x-tokenmill-replica")  # set by `tokenmill router`            async for line in response.aiter_lines():
+            record.replica = response.headers.get("x-tokenmill-replica")  # set by `tokenmill router`
+            async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 payload = line[6:]
