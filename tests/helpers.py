@@ -379,6 +379,13 @@ def reference_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, windo
     return out
 
 
+def engine_on(model_dir: str, **kw):
+    """An EngineCore (the step loop, in this process) on a checkpoint, float32 on the CPU unless kw says otherwise."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.engine import EngineCore
+    return EngineCore(EngineConfig(**{"model": model_dir, "dtype": "float32", "device": "cpu", **kw}))
+
+
 def save_tiny_llama(out_dir, **kw) -> None:
     """A tiny random Llama (2 layers, hidden 64, 4 query and 2 KV heads; kw: other config fields), seeded, saved
     as safetensors: the engine mechanics run on it in milliseconds a step."""

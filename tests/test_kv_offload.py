@@ -23,10 +23,8 @@ def model_dir(tmp_path_factory):
 
 
 def make_engine(model_dir: str, **kw):
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.engine import EngineCore
-    kw = {"num_gpu_blocks_override": 64, "dtype": "float32", **kw}
-    return EngineCore(EngineConfig(model=model_dir, device="cpu", block_size=16, **kw))
+    from helpers import engine_on
+    return engine_on(model_dir, **{"num_gpu_blocks_override": 64, "block_size": 16, **kw})
 
 
 def run(engine, prompts: list[list[int]], params: SamplingParams = GREEDY, lora=None) -> dict[str, list[int]]:

@@ -255,9 +255,8 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def make_engine(model_dir: str, **kw):
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.engine import EngineCore
-    return EngineCore(EngineConfig(model=model_dir, dtype="float32", device="cpu", **kw))
+    from helpers import engine_on
+    return engine_on(model_dir, **kw)
 
 
 def test_add_request_rejects_over_max_model_len(tiny_model_dir):
