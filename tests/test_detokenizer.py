@@ -187,3 +187,19 @@ def test_prompt_context_gives_the_leading_space():
     detok = IncrementalDetokenizer(tok, SamplingParams(), [1])
     deltas, _ = stream(detok, [2, 3, 4])
     assert "".join(deltas) == " world again!" == tok.decode([1, 2, 3, 4])[len("Hello"):]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_generation_cut_inside_a_character_ends_without_a_replacement_char(tokenizer, n):
+    """Cut (max_tokens, say) after the first bytes of a multi-byte character: the incomplete character is held back
+    to the end, in the streamed deltas and the final text, as vLLM holds it (no trailing U+FFFD)."""
+    ids = encode(tokenizer, MULTIBYTE)
+    cuts = [i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd")]
+    assert cuts  # the premise: some prefixes end inside a character
+    for cut in cuts:
+        detok = IncrementalDetokenizer(tokenizer, SamplingParams(n=n), [])
+        deltas, stop = stream(detok, ids[:cut], 1)
+        assert stop is None and "\ufffd" not in "".join(deltas) + detok.text, cut
+        # what the whole characters decode to (a token holding a space and the character's first byte waits whole)
+        assert "".join(deltas) == detok.text and MULTIBYTE.startswith(detok.text), cut
+        assert len(detok.text) >= len(tokenizer.decode(ids[:cut]).rstrip("\ufffd").rstrip()), cut

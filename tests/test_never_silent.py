@@ -206,3 +206,41 @@ async def test_prompt_scoring_shapes_in_process(app, tokenizer):
             by_choice.setdefault(c["index"], []).append((c["text"], c["finish_reason"]))
     assert by_choice == {i: [(prompts[i // 2], None), ("", "length")] for i in range(4)}
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+async def test_user_is_on_the_log_line_and_the_span(path, tokenizer, caplog):
+    """OpenAI's `user` (the client's id for its end user, for abuse monitoring) is honoured: with
+    --enable-log-requests it is on the request's log line, and it is the span's `user.id`, so that an operator can
+    find that user's requests."""
+    import logging
+
+    from fake_engine import InProcessServer
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tokenmill.api.tracing import RequestTracer
+
+    app = InProcessServer(tokenizer, enable_log_requests=True)
+    tracer = RequestTracer("http://127.0.0.1:9/v1/traces", include_text=False)
+    tracer.provider.shutdown()  # its OTLP exporter: the spans go to memory instead
+    tracer.provider, spans = TracerProvider(), InMemorySpanExporter()
+    tracer.provider.add_span_processor(SimpleSpanProcessor(spans))
+    tracer.tracer = tracer.provider.get_tracer("tokenmill")
+    app.state.tracer = tracer
+    prompt = {"/v1/completions": {"prompt": "Hi"}, "/v1/chat/completions": {"messages": [{"role": "user",
+                                                                                         "content": "Hi"}]},
+              "/v1/responses": {"input": "Hi"}}[path]
+    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    try:
+        with caplog.at_level(logging.INFO, logger="tokenmill.server"):
+            async with app.http() as client:
+                r = await client.post(path, json={"model": MODEL, **prompt, limit: 2, "user": "user-7f3a"})
+        assert r.status_code == 200, r.text
+        logged = [rec.getMessage() for rec in caplog.records if "Received request" in rec.getMessage()]
+        assert len(logged) == 1 and "user: user-7f3a" in logged[0], logged
+        assert [s.attributes.get("user.id") for s in spans.get_finished_spans()] == ["user-7f3a"]
+    finally:
+        tracer.shutdown()

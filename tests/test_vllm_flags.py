@@ -170,6 +170,25 @@ def test_generation_config_defaults(tiny_model, tmp_path):
         generation_defaults(tiny_model, str(tmp_path / "missing"))
 
 
+
+
+def test_offline_llm_applies_generation_config_defaults(tiny_model, tmp_path):
+    """vLLM's LLM.get_default_sampling_params: with no SamplingParams, generate() and chat() use the model's
+    generation_config.json defaults (max_new_tokens 3 here, so 3 tokens, not SamplingParams' 16); given
+    SamplingParams are the caller's; generation_config="vllm" leaves SamplingParams' own."""
+    from helpers import llm_sharing_weights
+
+    from tokenmill import SamplingParams
+    llm = llm_sharing_weights(model=tiny_model)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.25, 7, 3)
+    prompt = [1, 2, 3, 4]
+    assert len(llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids) <= 3
+    assert len(llm.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 5
+    assert len(llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)[0].outputs[0].token_ids) <= 3
+    plain = llm_sharing_weights(model=tiny_model, generation_config="vllm").get_default_sampling_params()
+    assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 16)
 def test_trust_remote_code_reaches_the_tokenizer(tiny_model, tmp_path):
     """A tokenizer shipped as code beside the checkpoint (auto_map) loads only with --trust-remote-code."""
     import shutil

@@ -36,6 +36,32 @@ async def test_whole_responses_carry_every_vllm_field_as_null(app):
         assert name in choice and choice[name] is None, name
 
 
+async def test_stream_chunks_carry_vllms_fields_as_null(app):
+    """vLLM's stream choices carry token_ids (null unless return_token_ids), and completions' prompt_token_ids;
+    chat's chunks prompt_token_ids and prompt_text: a client reading them as attributes on any chunk finds them."""
+    chat = [e for e in sse_events(await post(app, "/v1/chat/completions", {**CHAT, "stream": True}))
+            if isinstance(e, dict)]
+    for event in chat:
+        assert event["prompt_token_ids"] is None and event["prompt_text"] is None, event
+        for choice in event["choices"]:
+            for name in ("token_ids", "logprobs", "finish_reason", "stop_reason"):
+                assert name in choice and (choice[name] is None or name == "finish_reason"), (name, event)
+    completion = [e for e in sse_events(await post(app, "/v1/completions", {**COMPLETION, "stream": True,
+                                                                            "echo": True})) if isinstance(e, dict)]
+    for event in completion:
+        assert "usage" in event, event
+        for choice in event["choices"]:
+            for name in ("token_ids", "prompt_token_ids", "logprobs", "stop_reason"):
+                assert name in choice and choice[name] is None, (name, event)
+    # asked for, they are there as before: the prompt's ids in each choice's first chunk only
+    asked = [e for e in sse_events(await post(app, "/v1/completions", {**COMPLETION, "stream": True, "n": 2,
+                                                                       "return_token_ids": True}))
+             if isinstance(e, dict)]
+    firsts = [c for e in asked for c in e["choices"] if c["prompt_token_ids"] is not None]
+    assert sorted(c["index"] for c in firsts) == [0, 1]
+    assert all(isinstance(c["token_ids"], list) for e in asked for c in e["choices"])
+
+
 # ---- usage.prompt_tokens_details: only with --enable-prompt-tokens-details ----
 
 async def test_prompt_tokens_details_only_with_the_flag(tokenizer):

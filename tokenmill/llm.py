@@ -15,6 +15,7 @@ from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine import EngineCore
 from tokenmill.engine.messages import EngineCoreOutput
 from tokenmill.lora.request import LoRARequest
+from tokenmill.models.generation_config import generation_defaults
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.pooling_outputs import (EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput,
                                        cosine_similarity)
@@ -29,6 +30,14 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.engine.model_info.path, self.config.tokenizer)
         self._ids = itertools.count()
+        # generation_config (auto, vllm or a directory): the model's recommended sampling, as the server applies it
+        self._generation_defaults = generation_defaults(self.engine.model_info.path, self.config.generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what generate() and chat() use when given no SamplingParams, the model's generation_config.json
+        defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over
+        SamplingParams'."""
+        return SamplingParams(**self._generation_defaults)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
@@ -38,7 +47,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         tracked = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
@@ -56,7 +65,7 @@ class LLM:
             conv, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             for conv in conversations]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         tracked = [self._add(p, i, params, 0, lora_request) for p, i in zip(prompts, ids)]
         return self._run(tracked, use_tqdm)

@@ -158,9 +158,11 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
 
 
 class ChatChunkChoice(ChoiceEnd):
+    """vLLM's stream choice: token_ids always there (this chunk's tokens with return_token_ids, else null), so that
+    a client reading it as an attribute finds it."""
     index: int
     delta: DeltaMessage
-    token_ids: list[int] | UnsetType = UNSET  # vLLM: with return_token_ids, this chunk's tokens
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -187,7 +189,10 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
     usage: Usage | UnsetType = UNSET  # with stream_options.continuous_usage_stats: the usage so far
-    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: in each choice's first chunk
+    # vLLM's extras, always there (null unless asked for): with return_token_ids, the prompt's ids in each choice's
+    # first chunk; prompt_text is return_prompt_text's, which tokenmill refuses
+    prompt_token_ids: list[int] | None = None
+    prompt_text: None = None
 
 
 class ChatCompletionUsageChunk(msgspec.Struct):

@@ -65,14 +65,15 @@ class CompletionResponse(msgspec.Struct):
 
 
 class CompletionStreamChoice(msgspec.Struct):
-    """A streamed chunk's choice: the ids only when asked for (return_token_ids)."""
+    """A streamed chunk's choice, vLLM's fields always there: the ids null unless asked for (return_token_ids; the
+    prompt's in the choice's first chunk)."""
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
-    token_ids: list[int] | UnsetType = UNSET
-    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionStreamResponse(msgspec.Struct):

@@ -4,8 +4,9 @@ errors, usage); each family's own shapes are in its module (completion_protocol.
 pooling, responses, tokenization and models in tokenmill/server/).
 
 Requests are validated by pydantic (a wrong type or a value out of its bounds becomes a 400 naming the field);
-the bounds are declared on the fields, so that /openapi.json states them. Validation is strict (no "2" for 2, no 1
-for true), as the schema says. Unknown request fields are accepted, ignored and logged, as vLLM does; OpenAI fields
+the bounds are declared on the fields, so that /openapi.json states them. Validation is pydantic's lax mode, as
+vLLM's: "2" is taken for 2 and "true" (or 1) for true, and /openapi.json states those string forms
+(tokenmill/server/openapi.py). Unknown request fields are accepted, ignored and logged, as vLLM does; OpenAI fields
 tokenmill does not implement are refused (400), never silently ignored. Responses are built as Structs and encoded
 by msgspec, which is fast enough to stream to hundreds of clients."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from tokenmill.sampling_params import ParamError
 
@@ -31,19 +32,15 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "
 TOKEN_ID = "^[0-9]+$"
 
 
-def _integral(value: Any) -> Any:
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-# An integer as JSON Schema counts them: 2.0 is one, "2" and true are not. (Strict validation alone refuses 2.0; lax
-# validation takes "2".)
-Int = Annotated[int, BeforeValidator(_integral)]
+# An integer: lax validation takes 2.0 (an integer to JSON Schema too) and "2", and refuses 2.5.
+Int = int
 
 # ============================== requests ==============================
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    """Lax, as vLLM's request models: a client that sends "logprobs": "true" or "n": "2" is served as vLLM serves it."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class _Body(_Request):

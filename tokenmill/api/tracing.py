@@ -29,6 +29,7 @@ class RequestTrace:
     top_p: float
     n: int
     input_tokens: int = 0
+    user: str | None = None  # OpenAI's `user`: the client's id for its end user
     output_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     arrival: float = 0.0
@@ -86,6 +87,8 @@ class RequestTracer:
         }
         if t.max_tokens is not None:
             attrs["gen_ai.request.max_tokens"] = t.max_tokens
+        if t.user is not None:  # OpenTelemetry's attribute for the end user's id
+            attrs["user.id"] = t.user
         if t.arrival:
             attrs["gen_ai.latency.e2e"] = end - t.arrival
             if t.first_scheduled:

@@ -191,13 +191,14 @@ class ResumableStream:
         usage = chunk.get("usage")
         if usage is not None and not chunk.get("choices"):
             self.usage = usage
-        if "prompt_token_ids" in chunk:  # chat: at the top level of the first chunk
-            self.prompt_ids = chunk["prompt_token_ids"] if self.wants_ids else chunk.pop("prompt_token_ids")
+        # the ids the router asked for, null again when the client did not ask (as the replica sends them then)
+        if chunk.get("prompt_token_ids") is not None:  # chat: at the top level of the first chunk
+            self.prompt_ids = chunk["prompt_token_ids"] if self.wants_ids else _null(chunk, "prompt_token_ids")
         keep = False
         for choice in chunk.get("choices") or ():
-            if "prompt_token_ids" in choice:  # completions: in the choice's first chunk
-                self.prompt_ids = choice["prompt_token_ids"] if self.wants_ids else choice.pop("prompt_token_ids")
-            ids = choice.get("token_ids") if self.wants_ids else choice.pop("token_ids", None)
+            if choice.get("prompt_token_ids") is not None:  # completions: in the choice's first chunk
+                self.prompt_ids = choice["prompt_token_ids"] if self.wants_ids else _null(choice, "prompt_token_ids")
+            ids = choice.get("token_ids") if self.wants_ids else _null(choice, "token_ids")
             self.generated += ids or ()
             if self.route == "chat":
                 delta = choice.get("delta") or {}
@@ -264,6 +265,12 @@ class ResumableStream:
     @staticmethod
     def _event(message) -> bytes:
         return b"data: " + msgspec.json.encode(message) + b"\n\n"
+
+
+def _null(fields: dict, name: str):
+    """fields[name], left there as null."""
+    value, fields[name] = fields.get(name), None
+    return value
 
 
 def _as_list(stop) -> list[str]:

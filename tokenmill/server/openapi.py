@@ -100,22 +100,42 @@ def install_openapi(app: FastAPI, api_key: bool) -> None:
     app.openapi = openapi
 
 
-_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+# The strings pydantic's lax mode parses (tokenmill/api/protocol.py), as JSON Schema patterns (ECMA-262 and Python
+# alike): an integer or a float with `_` between digits, within the whitespace Rust's trim() strips, and the words
+# for a bool (any case, no whitespace: the lookahead keeps Python's `$` from taking a final newline). The bounds
+# apply to the parsed number, which a pattern cannot state. tests/test_openapi_and_fields.py holds them to pydantic.
+_WS = "[\\t-\\r \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]*"
+_DIGITS = "[0-9]+(_[0-9]+)*"
+LAX_INT = f"^{_WS}[+-]?{_DIGITS}(\\.0+)?{_WS}$"
 
 
-def _standard_bounds(node: Any) -> None:
-    """pydantic states the bounds of an optional Int field (tokenmill/api/protocol.py: a validator before the
-    bounds) as `ge`/`le`, which JSON Schema does not know, so clients (and schemathesis) saw no bounds; renamed in
-    place."""
-    if isinstance(node, dict):
-        if node.get("type") in ("integer", "number"):
-            for key in [k for k in _BOUNDS if k in node]:
-                node[_BOUNDS[key]] = node.pop(key)
-        for value in node.values():
-            _standard_bounds(value)
-    elif isinstance(node, list):
-        for value in node:
-            _standard_bounds(value)
+def _float(digits: str) -> str:
+    return f"[+-]?({digits}(\\.({digits})?)?|\\.{digits})([eE][+-]?{digits})?"
+
+
+LAX_FLOAT = f"^({_WS}{_float('[0-9]+')}{_WS}|{_float(_DIGITS)})(?!\\n)$"  # pydantic: `_` only without the whitespace
+LAX_BOOL = "^([0Ff]|[Oo][Ff][Ff]|[Ff][Aa][Ll][Ss][Ee]|[Nn][Oo]?|1|[Oo][Nn]|[Tt]([Rr][Uu][Ee])?|[Yy]([Ee][Ss])?)(?!\\n)$"
+_LAX = {"integer": [{"type": "boolean"}, {"type": "string", "pattern": LAX_INT}],
+        "number": [{"type": "boolean"}, {"type": "string", "pattern": LAX_FLOAT}],
+        "boolean": [{"enum": [0, 1]}, {"type": "string", "pattern": LAX_BOOL}]}
+
+
+def _lax_types(node: Any) -> Any:
+    """The request models' schemas as pydantic's lax mode validates them, so that /openapi.json says what the server
+    takes: an integer or a number also as a bool or as its text, a bool also as 0, 1 or its words, a literal bool
+    also as 0 or 1 (and a literal 0 or 1 as the bool)."""
+    if isinstance(node, list):
+        return [_lax_types(value) for value in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _lax_types(value) for key, value in node.items()}
+    const = node.get("const")
+    if isinstance(const, bool) or (type(const) is int and const in (0, 1)):
+        return {"anyOf": [node, {"const": int(const) if isinstance(const, bool) else bool(const)}]}
+    kind = node.get("type")
+    if "const" not in node and "enum" not in node and isinstance(kind, str) and kind in _LAX:
+        return {"anyOf": [node, *_LAX[kind]]}
+    return node
 
 
 def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
@@ -123,12 +143,12 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):  # only FastAPI's 422 uses them
         schemas.pop(name, None)
+    schemas.update(_lax_types(schemas))  # the request models', before the response Structs join them
     _, structs = msgspec.json.schema_components(RESPONSE_STRUCTS, ref_template="#/components/schemas/{name}")
     clash = schemas.keys() & structs.keys()
     if clash:  # one name for a request model and a response Struct: a $ref would point at the wrong one
         raise RuntimeError(f"request and response schemas share the names {sorted(clash)}")
     schemas.update(structs)
-    _standard_bounds(schemas)
     for path, (summary, may_fail) in HEALTH.items():
         responses = {"200": _plain("Yes.")} | ({"503": _plain("No: the phase, or why not.")} if may_fail else {})
         doc["paths"][path] = {"get": {"summary": summary, "operationId": path.strip("/").replace("/", "_"),

@@ -1,23 +1,22 @@
 """The request and response shapes of the pooling endpoints, as vLLM and OpenAI define them: /v1/embeddings and
 /pooling (OpenAI's embeddings shape), /v1/score (vLLM's), /v1/rerank (vLLM's, which is Jina's and Cohere's).
 
-The conventions are tokenmill/api/protocol.py's: pydantic request bodies with strict validation and the bounds on
+The conventions are tokenmill/api/protocol.py's: pydantic request bodies with lax validation and the bounds on
 the fields, msgspec Structs for the responses."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
 import msgspec
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import Field, model_validator
 
-from tokenmill.api.protocol import INT64_MAX, INT64_MIN, Int, _Body, _integral
+from tokenmill.api.protocol import INT64_MAX, INT64_MIN, Int, _Body
 from tokenmill.sampling_params import ParamError
 
 
 def _bounded(ge: int, le: int = INT64_MAX):
-    """An integer in [ge, le]. The bounds go before the validator: after it, pydantic's schema of an optional field
-    says `ge`/`le` (which JSON Schema does not know) instead of `minimum`/`maximum`."""
-    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+    """An integer in [ge, le]."""
+    return Annotated[int, Field(ge=ge, le=le)]
 
 
 TokenId = _bounded(0)

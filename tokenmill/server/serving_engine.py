@@ -187,24 +187,26 @@ class OpenAIServing:
         return specs[0]
 
     def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-               raw: Request, operation: str, lora_request: LoRARequest | None = None) -> GenerationStream:
+               raw: Request, operation: str, lora_request: LoRARequest | None = None,
+              user: str | None = None) -> GenerationStream:
         """Validates every prompt first, so that a bad one fails the request before anything reaches the engine.
-        lora_request: the adapter the request's model names (ServerState.check_model)."""
+        lora_request: the adapter the request's model names (ServerState.check_model). user: OpenAI's end-user id,
+        on the log line and the trace span, so that an operator can find one user's requests (abuse monitoring)."""
         state = self.state
         state.client.check_alive()
         for ids in prompts:
             state.validate(ids, params, priority)
         state.check_queue([ids for ids in prompts for _ in range(params.n)])
         if state.config.enable_log_requests:
-            logger.info("Received request %s: %d prompt(s) of %s tokens, params: %s, lora: %s", request_id,
+            logger.info("Received request %s: %d prompt(s) of %s tokens, params: %s, lora: %s, user: %s", request_id,
                         len(prompts), [len(ids) for ids in prompts], params,
-                        lora_request.lora_name if lora_request else None)
+                        lora_request.lora_name if lora_request else None, user)
         # submitted in the same event-loop turn as the check (EngineClient.generate)
         stream = state.client.generate(request_id, prompts, params, state.tokenizer, priority, lora_request)
         if state.tracer is not None:
             stream.trace = RequestTrace(
                 request_id, operation, state.served_model_name(lora_request), dict(raw.headers), params.max_tokens,
-                params.temperature, params.top_p, params.n, input_tokens=sum(len(ids) for ids in prompts))
+                params.temperature, params.top_p, params.n, input_tokens=sum(len(ids) for ids in prompts), user=user)
             if state.tracer.include_text:
                 stream.trace.prompt_text = "".join(state.tokenizer.decode(ids) for ids in prompts)
             stream.on_close = self._record_trace
