@@ -203,3 +203,24 @@ def test_a_generation_cut_inside_a_character_ends_without_a_replacement_char(tok
         # what the whole characters decode to (a token holding a space and the character's first byte waits whole)
         assert "".join(deltas) == detok.text and MULTIBYTE.startswith(detok.text), cut
         assert len(detok.text) >= len(tokenizer.decode(ids[:cut]).rstrip("\ufffd").rstrip()), cut
+
+
+def test_logprob_token_texts_complete_their_characters(tokenizer):
+    """vLLM's rule for logprob token strings: a byte token that ends inside a character reads "" and the token that
+    completes it carries the whole character (decoded with up to 4 tokens before it), so no token string has a
+    U+FFFD and the strings of a sequence join into its text. Alone, some of these tokens decode to U+FFFD."""
+    from tokenmill.server.server_state import ServerState
+
+    class Texts:  # the two attributes token_str reads
+        token_str = ServerState.token_str
+
+        def __init__(self):
+            self.tokenizer, self._token_strs = tokenizer, {}
+
+    ids = encode(tokenizer, MULTIBYTE)
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)  # the premise
+    texts = Texts()
+    strings = [texts.token_str(t, ids[max(0, i - 4):i]) for i, t in enumerate(ids)]
+    assert not any("\ufffd" in s for s in strings)
+    assert "".join(strings) == tokenizer.decode(ids)
+    assert texts.token_str(ids[0]) == tokenizer.decode([ids[0]])  # without context: the token alone

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.api.chat_protocol import ChatMessage
@@ -72,11 +74,29 @@ class ServerState:
         """The `model` a response reports: the adapter's name, as vLLM, or the first served name."""
         return lora.lora_name if lora is not None else self.model_names[0]
 
-    def token_str(self, token_id: int) -> str:
+    def token_str(self, token_id: int, context: Sequence[int] = ()) -> str:
+        """A token's text for logprobs. A byte-level token that ends inside a multi-byte character decodes alone to
+        U+FFFD; as vLLM, with the tokens sampled before it (context, oldest first) its text is what it completes
+        (the whole character, counted on the token that completes it), and "" while the character is still open."""
         s = self._token_strs.get(token_id)
         if s is None:
             s = self._token_strs[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return s
+        if not s.endswith("\ufffd") or not context:
+            return s
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        context = list(context[-4:])  # a UTF-8 character spans at most 4 byte tokens
+        for n in range(1, len(context) + 1):
+            tail = context[-n:]
+            whole = decode(tail + [token_id])
+            if whole.endswith("\ufffd"):
+                continue
+            # the context tokens that are part of the same open character gave "": their bytes are counted here
+            clean = len(tail)
+            while clean and self.token_str(tail[clean - 1]).endswith("\ufffd"):
+                clean -= 1
+            prefix = decode(tail[:clean]) if clean else ""
+            return whole[len(os.path.commonprefix([prefix, whole])):]
+        return ""
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int) -> None:
         """The engine's own checks (context length, logprobs, vocabulary, priority), before anything is sent."""

@@ -150,18 +150,23 @@ class OpenAIServingChat(OpenAIServing):
         raise ParamError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                          "tool_choice")
 
-    def logprobs(self, entries: list[TokenLogprobs], as_ids: bool) -> chp.ChatLogprobs:
+    def logprobs(self, entries: list[TokenLogprobs], as_ids: bool,
+                 context: list[int] | None = None) -> chp.ChatLogprobs:
         """As vLLM: a token's `bytes` are its text's; with as_ids its `token` (and each alternative's token and
-        bytes) read "token_id:N"."""
+        bytes) read "token_id:N". context: the tokens sampled before the first entry (a stream's earlier chunks),
+        extended with the entries' tokens (ServerState.token_str)."""
         content = []
+        context = [] if context is None else context
         for e in entries:
-            text = self.state.token_str(e.token_id)
+            before = context[-4:]
+            context.append(e.token_id)
+            text = self.state.token_str(e.token_id, before)
             top = []
             for t, lp in zip(e.top_token_ids, e.top_logprobs):
-                token = self.logprob_token(t, as_ids)
+                token = self.logprob_token(t, as_ids, before)
                 top.append(chp.TopLogprob(token, max(lp, MIN_LOGPROB), list(token.encode())))
-            content.append(chp.ChatLogprobToken(self.logprob_token(e.token_id, as_ids), max(e.logprob, MIN_LOGPROB),
-                                                list(text.encode()), top))
+            content.append(chp.ChatLogprobToken(self.logprob_token(e.token_id, as_ids, before),
+                                                max(e.logprob, MIN_LOGPROB), list(text.encode()), top))
         return chp.ChatLogprobs(content)
 
     def streamed_response(self, stream: GenerationStream, prompt_ids: list[int], model: str, created: int,
@@ -185,9 +190,12 @@ class OpenAIServingChat(OpenAIServing):
                 out.usage = p.Usage(len(prompt_ids), num_tokens[index], len(prompt_ids) + num_tokens[index])
             return sse_event(out)
 
+        contexts: dict[int, list[int]] = {}  # per choice: its tokens so far, for their logprob texts
+
         def events_for(d: SampleDelta) -> list[bytes]:
             num_tokens[d.index] += len(d.token_ids)
-            logprobs = self.logprobs(d.logprobs, as_ids) if want_logprobs and d.logprobs else None
+            logprobs = (self.logprobs(d.logprobs, as_ids, contexts.setdefault(d.index, []))
+                        if want_logprobs and d.logprobs else None)
             parser = parsers[d.index]
             parts = parser.feed(d.text) if d.text else []
             if d.finish_reason is not None:

@@ -83,13 +83,17 @@ class OpenAIServingCompletion(OpenAIServing):
         return json_response(cp.CompletionResponse(request_id, created, model, out, usage))
 
     def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int, k: int,
-                 as_ids: bool) -> cp.CompletionLogprobs:
+                 as_ids: bool, context: list[int] | None = None) -> cp.CompletionLogprobs:
         """entries: (token id, its logprobs or None, as for the first prompt token); offset: the text offset of the
-        first token; k: the alternatives to give; as_ids: "token_id:N". As vLLM, each top_logprobs map holds the
+        first token; k: the alternatives to give; as_ids: "token_id:N"; context: the tokens before the first entry
+        (a stream's earlier chunks), extended with the entries' tokens. As vLLM, each top_logprobs map holds the
         token itself first, then the k alternatives (k + 1 entries when the token is not among them)."""
         out = cp.CompletionLogprobs()
+        context = [] if context is None else context
         for token_id, e in entries:
-            s = self.logprob_token(token_id, as_ids)
+            before = context[-4:]
+            context.append(token_id)
+            s = self.logprob_token(token_id, as_ids, before)
             out.tokens.append(s)
             out.text_offset.append(offset)
             offset += len(s)
@@ -100,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
             out.token_logprobs.append(e.logprob)
             top = {s: e.logprob}
             for t, lp in zip(e.top_token_ids[:k], e.top_logprobs[:k]):
-                top[self.logprob_token(t, as_ids)] = lp
+                top[self.logprob_token(t, as_ids, before)] = lp
             out.top_logprobs.append(top)
         return out
 
@@ -128,6 +132,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
         first = b"".join(chunk(i, echo_texts[i // n]) for i in range(num_choices)) if echo_texts else b""
 
+        contexts: dict[int, list[int]] = {}  # per choice: its tokens so far, for their logprob texts
+
         def events_for(d: SampleDelta) -> list[bytes]:
             events = []
             if echo_only:  # the one token the engine computed is not the client's
@@ -135,7 +141,8 @@ class OpenAIServingCompletion(OpenAIServing):
             num_tokens[d.index] += len(d.token_ids)
             logprobs = None
             if d.logprobs:
-                logprobs = self.logprobs([(e.token_id, e) for e in d.logprobs], offsets[d.index], k, as_ids)
+                logprobs = self.logprobs([(e.token_id, e) for e in d.logprobs], offsets[d.index], k, as_ids,
+                                         contexts.setdefault(d.index, []))
                 offsets[d.index] += sum(len(t) for t in logprobs.tokens)
             # as vLLM: the last token's chunk carries finish_reason (no chunk of its own)
             if d.text or logprobs is not None or (return_token_ids and d.token_ids) or d.finish_reason is not None:

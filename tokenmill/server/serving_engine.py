@@ -3,7 +3,7 @@ collecting a non-streaming response, usage, and the request's trace. One subclas
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -130,8 +130,9 @@ class OpenAIServing:
             return req.return_tokens_as_token_ids
         return self.state.config.return_tokens_as_token_ids
 
-    def logprob_token(self, token_id: int, as_ids: bool) -> str:
-        return f"token_id:{token_id}" if as_ids else self.state.token_str(token_id)
+    def logprob_token(self, token_id: int, as_ids: bool, context: Sequence[int] = ()) -> str:
+        """context: the tokens before this position (ServerState.token_str)."""
+        return f"token_id:{token_id}" if as_ids else self.state.token_str(token_id, context)
 
     def stream_usage(self, req: p.SamplingFields) -> tuple[bool, bool]:
         """(a final usage chunk, usage in every chunk), as vLLM decides them: --enable-force-include-usage gives
@@ -148,13 +149,15 @@ class OpenAIServing:
         entries = entries[-len(prompt_ids):]
         entries = [None] * (len(prompt_ids) - len(entries)) + entries
         out: p.PromptLogprobs = []
-        for e in entries:
+        for i, e in enumerate(entries):
             if e is None:
                 out.append(None)
                 continue
-            lps = {e.token_id: p.PromptLogprob(max(e.logprob, MIN_LOGPROB), e.rank, self.state.token_str(e.token_id))}
+            before = prompt_ids[max(0, i - 4):i]
+            lps = {e.token_id: p.PromptLogprob(max(e.logprob, MIN_LOGPROB), e.rank,
+                                               self.state.token_str(e.token_id, before))}
             for rank, (t, lp) in enumerate(zip(e.top_token_ids, e.top_logprobs), 1):
-                lps[t] = p.PromptLogprob(max(lp, MIN_LOGPROB), rank, self.state.token_str(t))
+                lps[t] = p.PromptLogprob(max(lp, MIN_LOGPROB), rank, self.state.token_str(t, before))
             out.append(lps)
         return out
 
