@@ -125,6 +125,19 @@ def test_router_keys_and_predictions_equal_the_engines(block_size, num_blocks, p
     assert index.blocks == set(kv.pool.cached)
 
 
+def test_tier_events_do_not_touch_the_pools_blocks():
+    """A replica with a KV tier (engine/kv_offload.py) publishes its tier's stores and evictions with their medium:
+    the router keeps them apart from the pool's, so a block on disk only is no pool hit, and a disk eviction does
+    not hide a block the pool still holds."""
+    from tokenmill.engine.kv_events import BlockRemoved
+    index = KVIndex("replica", 4)
+    a, b = b"a" * 32, b"b" * 32
+    index.apply(KVEventBatch(0.0, [BlockStored([a], None, [1, 2, 3, 4], 4, None, "GPU", None),
+                                   BlockStored([a, b], None, list(range(8)), 4, None, "DISK", None),
+                                   BlockRemoved([a], "DISK")]))
+    assert index.blocks == {a} and index.tier_blocks == {"DISK": {b}}
+
+
 def _replica(name: str, in_flight: int = 0, blocks=()) -> Replica:
     r = Replica(name, KVIndex(name, 4), healthy=True, in_flight=in_flight)
     r.index.blocks.update(blocks)

@@ -25,6 +25,7 @@ import zmq.asyncio
 from tokenmill.engine.block_hash import hash_request_blocks
 from tokenmill.engine.kv_event_publisher import END_OF_REPLAY
 from tokenmill.engine.kv_events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -51,7 +52,10 @@ class KVIndex:
     def __init__(self, name: str, block_size: int):
         self.name = name
         self.block_size = block_size
-        self.blocks: set[bytes | int] = set()
+        self.blocks: set[bytes | int] = set()  # in the replica's pool (medium GPU, or none said)
+        # in a tier beyond its pool (engine/kv_offload.py), by medium: DISK, CPU, VALKEY. Kept apart, so that a
+        # block that left the pool is not predicted as a pool hit, and a tier eviction does not hide a pool block.
+        self.tier_blocks: dict[str, set[bytes | int]] = {}
         self.next_seq: int | None = None  # the sequence number expected next; None before the first batch
         self.num_gaps = 0
         self.num_restarts = 0
@@ -97,12 +101,17 @@ class KVIndex:
                     self._warned_block_size = True
                     logger.warning("%s stores blocks of %d tokens but the router hashes blocks of %d: set "
                                    "--block-size %d", self.name, event.block_size, self.block_size, event.block_size)
-                self.blocks.update(event.block_hashes)
+                self._held(event.medium).update(event.block_hashes)
                 self._learn_adapter(event)
             elif isinstance(event, BlockRemoved):
-                self.blocks.difference_update(event.block_hashes)
+                self._held(event.medium).difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.blocks.clear()
+
+    def _held(self, medium: str | None) -> set:
+        if medium in (None, MEDIUM_GPU):
+            return self.blocks
+        return self.tier_blocks.setdefault(medium, set())
 
 
 def _frozen(value):
