@@ -16,16 +16,20 @@ import hashlib
 import json
 import os
 import struct
+import zlib
 
 import torch
 
 MAGIC = b"TMKVBLK1"
-_HEADER = struct.Struct("<8s32s32sQ16s")  # magic, layout key, block hash, payload length, checksum
+_HEADER = struct.Struct("<8s32s32sQI")  # magic, layout key, block hash, payload length, CRC-32 of the payload
 HEADER_SIZE = _HEADER.size
 
 
-def checksum(payload) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+def checksum(payload) -> int:
+    """CRC-32: it catches a flipped, lost or torn byte (what disks and networks do), at 4 GB/s on one core where
+    BLAKE2b makes 0.9 (on the worker that shares 2 cores with the step loop); the header's layout key and block hash
+    catch the other way to be wrong, a well-formed entry of another block or model."""
+    return zlib.crc32(payload)
 
 
 def pack(layout_key: bytes, block_hash: bytes, payload) -> bytes:
