@@ -343,3 +343,19 @@ def test_two_servers_share_blocks_through_valkey_and_survive_its_death(tiny_serv
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_failing_load_costs_recomputation_not_a_hung_request(model_dir, tmp_path, monkeypatch, caplog):
+    """Whatever goes wrong in the tier's worker (here the copy into the pool raises), the request is computed."""
+    ps = prompts(1, 100, seed=9)
+    tier = dict(kv_offloading_size=0.01, kv_offloading_backend="disk", kv_offloading_dir=str(tmp_path))
+    writer = make_engine(model_dir, **tier)
+    first = run(writer, ps)
+    reader = make_engine(model_dir, **tier)
+
+    def broken(*args):
+        raise RuntimeError("a bug in the copy")
+    monkeypatch.setattr(reader.offload.layout, "write", broken)
+    out = run(reader, ps)
+    assert out["0"] == first["0"] and out["external"] == [0]
+    assert "KV tier worker: LoadJob failed" in caplog.text

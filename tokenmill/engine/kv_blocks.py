@@ -20,6 +20,8 @@ import zlib
 
 import torch
 
+from tokenmill.models.kv_quant import as_bytes
+
 MAGIC = b"TMKVBLK1"
 _HEADER = struct.Struct("<8s32s32sQI")  # magic, layout key, block hash, payload length, CRC-32 of the payload
 HEADER_SIZE = _HEADER.size
@@ -107,25 +109,35 @@ class BlockLayout:
             self._key = digest.digest()
         return self._key
 
-    def read(self, block_id: int) -> bytearray:
-        """The block's bytes (a copy: the block may be reused once this returns)."""
-        out = bytearray(self.block_bytes)
-        host = torch.frombuffer(out, dtype=torch.uint8)
-        offset = 0
-        for (k, v, _), (kb, vb) in zip(self.kv_caches, self.slice_bytes):
-            host[offset:offset + kb].copy_(k[block_id].reshape(-1).view(torch.uint8))
-            offset += kb
-            host[offset:offset + vb].copy_(v[block_id].reshape(-1).view(torch.uint8))
-            offset += vb
-        return out
-
-    def write(self, block_id: int, payload) -> None:
-        """Writes a block's bytes (from read(), possibly in another process) into block_id of this pool."""
-        assert len(payload) == self.block_bytes
-        host = torch.frombuffer(payload, dtype=torch.uint8)
+    def read(self, block_ids: list[int]) -> list[memoryview]:
+        """The blocks' bytes (copies: a block may be reused once this returns), one view per block. Two copies per
+        layer whatever the number of blocks, so that the Python overhead (and the GIL the step loop wants) is paid
+        per batch, not per block."""
+        n = len(block_ids)
+        out = bytearray(n * self.block_bytes)
+        host = torch.frombuffer(out, dtype=torch.uint8).view(n, self.block_bytes)
+        ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
         offset = 0
         for (k, v, _), (kb, vb) in zip(self.kv_caches, self.slice_bytes):
             for cache, size in ((k, kb), (v, vb)):
-                dst = cache[block_id]
-                dst.copy_(host[offset:offset + size].view(cache.dtype).view(dst.shape))
+                host[:, offset:offset + size].copy_(as_bytes(cache).index_select(0, ids).reshape(n, -1)
+                                                    .view(torch.uint8))
+                offset += size
+        view = memoryview(out)
+        return [view[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(n)]
+
+    def write(self, block_ids: list[int], payloads: list) -> None:
+        """Writes blocks' bytes (from read(), possibly in another process) into these blocks of this pool."""
+        n = len(block_ids)
+        if not n:
+            return
+        assert all(len(p) == self.block_bytes for p in payloads)
+        host = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8).view(n, self.block_bytes)
+        ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
+        offset = 0
+        for (k, v, _), (kb, vb) in zip(self.kv_caches, self.slice_bytes):
+            for cache, size in ((k, kb), (v, vb)):
+                dst = as_bytes(cache)  # (index_copy_ has no fp8 kernel)
+                src = host[:, offset:offset + size].contiguous().view(dst.dtype).view(n, *dst.shape[1:])
+                dst.index_copy_(0, ids, src.to(dst.device))
                 offset += size
