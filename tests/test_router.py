@@ -730,7 +730,7 @@ def test_adapter_requests_are_predicted_with_each_replicas_adapter_keys(replicas
         assert r.status_code == 200, r.text
         time.sleep(0.3)  # the step's events reach the router
         return (r.headers.get("x-tokenmill-replica"), int(r.headers.get("x-tokenmill-predicted-cached-tokens", -1)),
-                r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+                cached_tokens(r.json()["usage"]))
 
     try:
         assert _adapter(first.url, "load", lora_name="first-only", lora_path=adapter_dir).status_code == 200
