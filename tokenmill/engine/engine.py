@@ -210,7 +210,13 @@ class EngineCore:
                     self.offload.wait(0.005)
             return failed
         block_tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.requests}
-        result = self.runner.execute(sched, block_tables)
+        if self.offload is not None:
+            self.offload.quiet.clear()
+        try:
+            result = self.runner.execute(sched, block_tables)
+        finally:
+            if self.offload is not None:
+                self.offload.quiet.set()
         self.num_steps += 1
         now = time.monotonic()
         outputs = failed

@@ -18,6 +18,7 @@ import os
 import struct
 import zlib
 
+import numpy as np
 import torch
 
 from tokenmill.models.kv_quant import as_bytes
@@ -91,11 +92,17 @@ class BlockLayout:
         self.identity = identity
         self.scales = scales
         self.final = final
-        first_k, first_v, _ = kv_caches[0]
         self.slice_bytes = [(k[0].numel() * k.element_size(), v[0].numel() * v.element_size())
                             for k, v, _ in kv_caches]
         self.block_bytes = sum(a + b for a, b in self.slice_bytes)
         self._key: bytes | None = None
+        # On the CPU, the caches as numpy byte arrays ([blocks, bytes per block], the pool's own memory): numpy
+        # copies on the calling thread, where a torch op from the tier's worker would start an OpenMP team of its
+        # own and take the cores the step's threads run on.
+        self._host = None
+        if kv_caches[0][0].device.type == "cpu":
+            self._host = [tuple(c.view(torch.uint8).reshape(c.shape[0], -1).numpy() for c in (k, v))
+                          for k, v, _ in kv_caches]
 
     def key(self) -> bytes:
         """32 bytes naming the layout; a one-byte cache's scales enter it (read each time: the first forward pass
@@ -115,6 +122,16 @@ class BlockLayout:
         per batch, not per block."""
         n = len(block_ids)
         out = bytearray(n * self.block_bytes)
+        view = memoryview(out)
+        if self._host is not None:
+            rows = np.frombuffer(out, dtype=np.uint8).reshape(n, self.block_bytes)
+            ids = np.asarray(block_ids)
+            offset = 0
+            for k, v in self._host:
+                for cache in (k, v):
+                    rows[:, offset:offset + cache.shape[1]] = cache[ids]
+                    offset += cache.shape[1]
+            return [view[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(n)]
         host = torch.frombuffer(out, dtype=torch.uint8).view(n, self.block_bytes)
         ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
         offset = 0
@@ -123,7 +140,6 @@ class BlockLayout:
                 host[:, offset:offset + size].copy_(as_bytes(cache).index_select(0, ids).reshape(n, -1)
                                                     .view(torch.uint8))
                 offset += size
-        view = memoryview(out)
         return [view[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(n)]
 
     def write(self, block_ids: list[int], payloads: list) -> None:
@@ -132,6 +148,15 @@ class BlockLayout:
         if not n:
             return
         assert all(len(p) == self.block_bytes for p in payloads)
+        if self._host is not None:
+            rows = np.frombuffer(bytearray().join(payloads), dtype=np.uint8).reshape(n, self.block_bytes)
+            ids = np.asarray(block_ids)
+            offset = 0
+            for k, v in self._host:
+                for cache in (k, v):
+                    cache[ids] = rows[:, offset:offset + cache.shape[1]]
+                    offset += cache.shape[1]
+            return
         host = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8).view(n, self.block_bytes)
         ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
         offset = 0

@@ -29,7 +29,7 @@ from tokenmill.engine.messages import OffloadStats
 logger = logging.getLogger("tokenmill.engine")
 
 
-SAVE_BATCH = 64  # saves the worker takes at once
+SAVE_BATCH = 16  # saves the worker takes at once
 
 
 @dataclass
@@ -91,6 +91,10 @@ class KVOffloader:
         self._forgotten: set[str] = set()
         self._pending_saves = 0
         self._cond = threading.Condition()
+        # set between the step's forward passes: saves wait for it, so that on a machine with as many cores as the
+        # step has threads the worker does not take one from them mid-pass (the step loop clears and sets it)
+        self.quiet = threading.Event()
+        self.quiet.set()
         self._healthy = {tier.store.medium: True for tier in tiers}
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="kv-offload", daemon=True)
@@ -223,7 +227,7 @@ class KVOffloader:
                     return
                 if self._jobs:
                     jobs = [self._jobs.popleft()]
-                else:  # saves in batches: a block's copy costs the same Python as 64 blocks' (kv_blocks.read)
+                else:  # saves in batches, each block only between two forward passes (self.quiet)
                     jobs = [self._saves.popleft() for _ in range(min(SAVE_BATCH, len(self._saves)))]
             try:
                 if isinstance(jobs[0], LookupJob):
@@ -254,10 +258,10 @@ class KVOffloader:
         layout_key = self.layout.key()
         writable = [t.store for t in self.tiers if t.write]
         jobs = [job for job in jobs if not all(s.contains(layout_key[:8] + job.block_hash) for s in writable)]
-        if not jobs:
-            return
-        for job, payload in zip(jobs, self.layout.read([job.block_id for job in jobs])):
-            key, entry = layout_key[:8] + job.block_hash, pack(layout_key, job.block_hash, payload)
+        for job in jobs:
+            self.quiet.wait()
+            key = layout_key[:8] + job.block_hash
+            entry = pack(layout_key, job.block_hash, self.layout.read([job.block_id])[0])
             for store in writable:
                 if store.contains(key):
                     continue
