@@ -113,8 +113,13 @@ def test_every_prefix_block_from_disk_gives_the_same_tokens(model_dir, tmp_path,
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "layout"])
 def test_a_damaged_entry_is_recomputed_and_counted(model_dir, tmp_path, damage):
+    """A flipped byte, a cut file, an entry of another layout: the tokens are HF transformers' greedy ones."""
+    from helpers import hf_greedy
+    from transformers import AutoModelForCausalLM
     ps = prompts(1, 100, seed=2)
     reference = run(make_engine(model_dir), ps)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    assert reference["0"] == hf_greedy(hf, ps[0], GREEDY.max_tokens)
     writer = make_engine(model_dir, kv_offloading_size=0.01, kv_offloading_backend="disk",
                          kv_offloading_dir=str(tmp_path))
     run(writer, ps)
@@ -215,8 +220,8 @@ import sys
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import EngineCore
 from tokenmill.sampling_params import SamplingParams
-model, url, prompts = sys.argv[1], sys.argv[2], eval(sys.argv[3])
-engine = EngineCore(EngineConfig(model=model, dtype="float32", device="cpu", num_gpu_blocks_override=64,
+model, url, prompts, dtype = sys.argv[1], sys.argv[2], eval(sys.argv[3]), sys.argv[4]
+engine = EngineCore(EngineConfig(model=model, dtype=dtype, device="cpu", num_gpu_blocks_override=64,
                                  kv_transfer_config={"kv_connector": "ValkeyConnector", "kv_role": "kv_producer",
                                                      "kv_connector_extra_config": {"url": url}}))
 for i, p in enumerate(prompts):
@@ -227,15 +232,16 @@ print(engine.offload.counters.blocks_written)
 """
 
 
-def test_an_engine_loads_the_blocks_another_process_wrote_to_valkey(model_dir, valkey):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_loads_the_blocks_another_process_wrote_to_valkey(model_dir, valkey, dtype):
     import subprocess
     import sys
     ps = prompts(3, 100, seed=3)
-    reference = run(make_engine(model_dir), ps)
-    written = subprocess.run([sys.executable, "-c", WRITER, model_dir, valkey.url, repr(ps)], capture_output=True,
-                             text=True, timeout=300, check=True).stdout.split()[-1]
+    reference = run(make_engine(model_dir, dtype=dtype), ps)
+    written = subprocess.run([sys.executable, "-c", WRITER, model_dir, valkey.url, repr(ps), dtype],
+                             capture_output=True, text=True, timeout=300, check=True).stdout.split()[-1]
     assert int(written) == 3 * 6  # kv_producer: writes, never reads
-    reader = make_engine(model_dir, kv_transfer_config=shared(valkey.url, "kv_consumer"))
+    reader = make_engine(model_dir, dtype=dtype, kv_transfer_config=shared(valkey.url, "kv_consumer"))
     out = run(reader, ps)
     for i in range(3):
         assert out[str(i)] == reference[str(i)]
@@ -359,3 +365,23 @@ def test_a_failing_load_costs_recomputation_not_a_hung_request(model_dir, tmp_pa
     out = run(reader, ps)
     assert out["0"] == first["0"] and out["external"] == [0]
     assert "KV tier worker: LoadJob failed" in caplog.text
+
+
+def test_a_store_that_never_answers_costs_a_timeout_then_nothing(model_dir):
+    """A Valkey address that accepts connections and never answers (a hung server): the first calls wait for the
+    0.5 s timeout, then the circuit opens for 5 s and requests recompute without waiting (the test would outrun
+    pytest's timeout if every block's write waited); the store is counted as failing."""
+    import socket
+    import threading
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(100)], daemon=True).start()
+    url = f"redis://127.0.0.1:{listener.getsockname()[1]}"
+    ps = prompts(4, 100, seed=10)
+    reference = run(make_engine(model_dir), ps)
+    engine = make_engine(model_dir, kv_transfer_config=shared(url))
+    out = run(engine, ps)
+    assert [out[str(i)] for i in range(4)] == [reference[str(i)] for i in range(4)]
+    assert out["external"] == [0, 0, 0, 0]
+    assert engine.offload.counters.store_errors["VALKEY"] >= 2
+    listener.close()
