@@ -101,19 +101,24 @@ def tiny_llm(shared_tiny_llm):
 
 
 @pytest.fixture(scope="session")
-def shared_tiny_llm(tokenizer, tmp_path_factory):
-    """An offline LLM on a tiny random Llama (the scheduler tests' shape) that uses the default model's tokenizer,
-    for the engine mechanics that need no real weights (seeds, n, max_tokens, stop strings and ids, EOS, metrics,
-    prompt forms): a step takes milliseconds. Its weights are wide enough (initializer range 0.5) that its greedy
-    text is varied gibberish, not one token repeated, which is what the stop-string tests need."""
+def tiny_llama_dir(tokenizer, tmp_path_factory) -> str:
+    """A tiny random Llama (the scheduler tests' shape) with the default model's tokenizer, as an HF directory, for
+    the engine mechanics that need no real weights: a step takes milliseconds, a server on it starts in seconds.
+    Its weights are wide enough (initializer range 0.5) that its greedy text is varied gibberish, not one token
+    repeated, which is what the stop-string tests need."""
     from helpers import save_tiny_llama
-
-    from tokenmill import LLM
     path = tmp_path_factory.mktemp("tiny-llama-default-tokenizer")
-    save_tiny_llama(path, vocab_size=len(tokenizer), max_position_embeddings=512, initializer_range=0.5,
+    save_tiny_llama(path, vocab_size=len(tokenizer), max_position_embeddings=8192, initializer_range=0.5,
                     tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     tokenizer.save_pretrained(path)
-    return LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_llm(tiny_llama_dir):
+    """An offline LLM on tiny_llama_dir (seeds, n, max_tokens, stop strings and ids, EOS, metrics, prompt forms)."""
+    from tokenmill import LLM
+    return LLM(tiny_llama_dir, dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
 
 
 @pytest.fixture(scope="session")

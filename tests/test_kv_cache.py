@@ -380,3 +380,24 @@ def test_random_workloads_exercise_preemption_prefix_hits_and_eviction():
         evictions += sim.kv.pool.num_evictions
         finished += sim.finished
     assert preemptions > 0 and hits > 0 and evictions > 0 and finished > 0
+
+
+def test_reset_prefix_cache_forgets_every_block_and_keeps_running_requests_tables():
+    """vLLM's reset_prefix_cache: no prefix is found afterwards, no block keeps a hash, a running request keeps its
+    blocks, and the event stream says AllBlocksCleared."""
+    from tokenmill.engine.kv_events import AllBlocksCleared
+    from tokenmill.engine.request import Request
+    from tokenmill.sampling_params import SamplingParams
+    kv = KVCacheManager(16, 4)
+    kv.enable_events()
+    done, running = (Request(rid, list(range(k, k + 12)), SamplingParams(), None, 4) for rid, k in (("a", 0), ("b", 50)))
+    for r in (done, running):
+        assert kv.allocate_slots(r, 12)
+    kv.free(done)
+    kv.take_events()
+    assert kv.reset_prefix_cache() == 6
+    assert kv.take_events() == [AllBlocksCleared()]
+    again = Request("a2", list(range(12)), SamplingParams(), None, 4)
+    assert kv.get_computed_blocks(again) == ([], 0)
+    assert len(kv.block_ids("b")) == 3 and kv.pool.num_free_blocks == 13
+    assert all(b.block_hash is None for b in kv.pool.blocks) and not kv.pool.cached

@@ -299,25 +299,15 @@ def test_tier_writes_are_kv_events_with_their_medium(model_dir, tmp_path):
 
 # ---------------------------------------------------------------- through `tokenmill serve`
 
-@pytest.fixture(scope="module")
-def tiny_served_model(tokenizer, tmp_path_factory):
-    from helpers import save_tiny_llama
-    path = tmp_path_factory.mktemp("tiny-llama-served")
-    save_tiny_llama(path, vocab_size=len(tokenizer), max_position_embeddings=512, initializer_range=0.5,
-                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def test_two_servers_share_blocks_through_valkey_and_survive_its_death(tiny_served_model, valkey):
+def test_two_servers_share_blocks_through_valkey_and_survive_its_death(tiny_llama_dir, valkey):
     import json
 
     import httpx
     from helpers import TEXT, RemoteServer, metric_value, scrape_metrics, wait_until
     args = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--uvicorn-log-level",
             "warning", "--kv-transfer-config", json.dumps(shared(valkey.url))]
-    a = RemoteServer(model=tiny_served_model, server_args=args)
-    b = RemoteServer(model=tiny_served_model, server_args=args)
+    a = RemoteServer(model=tiny_llama_dir, server_args=args)
+    b = RemoteServer(model=tiny_llama_dir, server_args=args)
     try:
         def complete(server, prompt: str) -> dict:
             r = httpx.post(server.url_for("/v1/completions"), timeout=60,
@@ -326,7 +316,7 @@ def test_two_servers_share_blocks_through_valkey_and_survive_its_death(tiny_serv
             return r.json()
 
         def metric(server, family, sample, **labels):
-            return metric_value(scrape_metrics(server), family, sample, model_name=tiny_served_model, **labels)
+            return metric_value(scrape_metrics(server), family, sample, model_name=tiny_llama_dir, **labels)
 
         prompt = TEXT[:1200]
         first = complete(a, prompt)

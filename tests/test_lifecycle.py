@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from helpers import API_KEY, MODEL, SERVER_ARGS, RemoteServer, save_tiny_llama, wait_until_async
+from helpers import API_KEY, MODEL, SERVER_ARGS, RemoteServer, free_port, wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 
@@ -84,16 +84,12 @@ def test_burst_past_the_queue_limit_gets_503_with_retry_after(lone_server):
 
 
 @pytest.fixture(scope="module")
-def priority_server(tokenizer, tmp_path_factory):
+def priority_server(tiny_llama_dir):
     """A tiny random Llama (milliseconds a step) under --scheduling-policy priority, one request at a time, so that
     every request past the first waits and the order they start in is the scheduler's."""
-    path = tmp_path_factory.mktemp("tiny-llama-priority")
-    save_tiny_llama(path, vocab_size=len(tokenizer), max_position_embeddings=8192, tie_word_embeddings=True,
-                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    tokenizer.save_pretrained(path)
     s = RemoteServer(["--scheduling-policy", "priority", "--max-num-seqs", "1", "--max-model-len", "8192"],
-                     model=str(path), server_args=SERVER_ARGS)
-    s.model = str(path)  # its served name
+                     model=tiny_llama_dir, server_args=SERVER_ARGS)
+    s.model = tiny_llama_dir  # its served name
     yield s
     s.stop()
 
@@ -204,3 +200,49 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
         assert code == 0
     finally:
         lone_server.stop()
+
+
+def test_reset_prefix_cache_forgets_every_prefix_and_says_so_on_the_event_stream(tiny_llama_dir, priority_server):
+    """vLLM's POST /reset_prefix_cache (with VLLM_SERVER_DEV_MODE=1): 200, the same prompt then finds no cached
+    prefix, and the KV event stream carries AllBlocksCleared. Without the dev mode the route is not there (404)."""
+    import zmq
+
+    from tokenmill.engine.kv_events import AllBlocksCleared, decode_batch
+    assert httpx.post(priority_server.url_for("/reset_prefix_cache")).status_code == 404
+    port = free_port()
+    server = RemoteServer(["--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                             "endpoint": f"tcp://*:{port}"})],
+                          env={"VLLM_SERVER_DEV_MODE": "1"}, model=tiny_llama_dir,
+                          server_args=[*SERVER_ARGS[:2], "--max-model-len", "512", *SERVER_ARGS[4:]])
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        def hits() -> float:
+            return server.metrics().get("vllm:prefix_cache_hits_total", 0)
+
+        def complete() -> None:
+            r = httpx.post(server.url_for("/v1/completions"), timeout=60,
+                           json={"model": tiny_llama_dir, "prompt": "A prompt of a few blocks. " * 12, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        def cleared() -> bool:
+            while sub.poll(100):
+                _, _, payload = sub.recv_multipart()
+                if any(isinstance(e, AllBlocksCleared) for e in decode_batch(payload).events):
+                    return True
+            return False
+        complete()
+        complete()
+        cleared()  # drained: what came before the reset (an engine also says AllBlocksCleared when it starts)
+        cached = hits()
+        assert cached >= 64  # the second request found the first's prefix
+        r = httpx.post(server.url_for("/reset_prefix_cache"))
+        assert r.status_code == 200 and r.content == b""
+        complete()
+        assert hits() == cached  # nothing found after the reset
+        wait_until(cleared, 10, message="AllBlocksCleared on the KV event stream")
+    finally:
+        sub.close(0)
+        ctx.term()
+        server.stop()

@@ -32,6 +32,7 @@ from tokenmill.engine.messages import (
     EngineStartupFailed,
     LoRAReply,
     RemoveLoRA,
+    ResetPrefixCache,
     RequestError,
     StatsQuery,
     StatsReply,
@@ -175,6 +176,11 @@ class EngineCoreLoop:
                 self.engine.abort_request(request_id)
             self.aborted = True
         elif isinstance(msg, StatsQuery):
+            self.stats_queries.append(msg.query_id)
+        elif isinstance(msg, ResetPrefixCache):
+            logger.info("prefix cache reset: %d cached blocks forgotten", self.engine.reset_prefix_cache())
+            if self.kv_event_publisher is not None:  # AllBlocksCleared now, not with the next step's events
+                self.kv_event_publisher.publish(self.engine.kv_cache.take_events())
             self.stats_queries.append(msg.query_id)
         elif isinstance(msg, (AddLoRA, RemoveLoRA)):
             self.lora_replies.append(self._lora_reply(msg))

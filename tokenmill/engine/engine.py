@@ -170,6 +170,10 @@ class EngineCore:
             raise ParamError("this engine serves no LoRA adapters: start it with --enable-lora", "model")
         return self.lora
 
+    def reset_prefix_cache(self) -> int:
+        """vLLM's reset_prefix_cache: the pool forgets every cached prefix (the tiers beyond it keep theirs)."""
+        return self.kv_cache.reset_prefix_cache()
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Loads an adapter into the CPU cache ahead of its requests (vLLM's add_lora); raises LoRAError."""
         self._lora_manager().load(lora_request)

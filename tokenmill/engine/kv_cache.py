@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.engine.block_hash import hash_block_tokens, hash_request_blocks  # noqa: F401 - re-exported
-from tokenmill.engine.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
+from tokenmill.engine.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tokenmill.engine.request import Request
 
 
@@ -205,6 +205,20 @@ class KVCacheManager:
                 hashes[first:last], hashes[first - 1] if first else None,
                 request.all_token_ids[first * bs:last * bs], bs, lora_id, MEDIUM_GPU, lora_name,
                 [list(request.extra_keys)] * len(run) if request.extra_keys else None))
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block (vLLM's reset_prefix_cache): no prefix is found again, blocks of running
+        requests stay theirs, free ones are handed out first. Records AllBlocksCleared, which is then true: no
+        block is findable. Returns how many blocks were forgotten."""
+        forgotten = len(self.pool.cached)
+        for block in self.pool.cached.values():
+            block.block_hash = None
+            if block.ref_cnt == 0:
+                self.pool.free_queue.move_to_end(block.block_id, last=False)
+        self.pool.cached.clear()
+        if self.pool.events is not None:
+            self.pool.events.append(AllBlocksCleared())
+        return forgotten
 
     def enable_events(self) -> None:
         """Record BlockStored/BlockRemoved events from now on, for take_events() (--kv-events-config)."""

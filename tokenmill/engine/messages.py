@@ -1,7 +1,8 @@
 """The messages that cross the engine process boundary, and the request checks both sides apply.
 
 Two ZMQ PUSH/PULL sockets over ipc:// carry msgpack (msgspec, the typed Structs below):
-  API server → engine: AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA
+  API server → engine: AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA |
+  ResetPrefixCache
   engine → API server: EngineReady | EngineStartupFailed (once), then EngineCoreOutputs (one per step)
 
 This module imports no torch (nor anything that does): the API server process, the router and the benchmarks
@@ -55,7 +56,12 @@ class RemoveLoRA(msgspec.Struct, tag="remove_lora", array_like=True):
     lora_int_id: int
 
 
-EngineInput = AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    """Forget every cached prefix block (vLLM's POST /reset_prefix_cache); answered by a StatsReply."""
+    query_id: int
+
+
+EngineInput = AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA | ResetPrefixCache
 
 
 # ---- engine → API server ----

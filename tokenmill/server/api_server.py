@@ -103,6 +103,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     app.state.models = OpenAIServingModels(state)
     add_model_routes(app, app.state.models, envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 
+    if envs.VLLM_SERVER_DEV_MODE:  # vLLM's development endpoints: served only when asked for, as in vLLM
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            """Every cached prefix forgotten (its KV events say AllBlocksCleared); 200 with no body, as vLLM."""
+            state.metrics.record_step(await state.client.reset_prefix_cache())
+            return Response(status_code=200)
+
     @app.post("/v1/completions")
     async def create_completion(body: cp.CompletionRequest, raw: Request):
         return _with_load_report(await completions.create_completion(body, raw), raw, state)

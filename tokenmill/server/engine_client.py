@@ -27,7 +27,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import run_engine_core
 from tokenmill.engine.messages import (AbortRequests, AddLoRA, AddRequest, AddRequests, EngineCoreOutputs,
                                        EngineMessage, EngineReady, EngineStartupFailed, LoRAReply, RemoveLoRA,
-                                       SchedulerStats, StatsQuery)
+                                       ResetPrefixCache, SchedulerStats, StatsQuery)
 from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import ParamError
@@ -277,15 +277,21 @@ class EngineClient:
 
     async def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
         """The engine's state now, even when it is idle and sends no steps."""
+        return await self._stats_call(StatsQuery(next(self._query_ids)), timeout_s)
+
+    async def reset_prefix_cache(self, timeout_s: float = 30.0) -> SchedulerStats:
+        """vLLM's reset_prefix_cache: the engine forgets every cached prefix; returns its state after it."""
+        return await self._stats_call(ResetPrefixCache(next(self._query_ids)), timeout_s)
+
+    async def _stats_call(self, msg: StatsQuery | ResetPrefixCache, timeout_s: float) -> SchedulerStats:
         self.check_alive()
-        query_id = next(self._query_ids)
         waiter = asyncio.get_running_loop().create_future()
-        self._stats_waiters[query_id] = waiter
-        self._send(StatsQuery(query_id))
+        self._stats_waiters[msg.query_id] = waiter
+        self._send(msg)
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         finally:
-            self._stats_waiters.pop(query_id, None)
+            self._stats_waiters.pop(msg.query_id, None)
 
     async def add_lora(self, lora_request: LoRARequest, timeout_s: float = 300.0) -> None:
         """Loads an adapter into the engine (vLLM's add_lora): raises LoRANotFound when its path holds none, and

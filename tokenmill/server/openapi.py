@@ -71,6 +71,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     # with VLLM_ALLOW_RUNTIME_LORA_UPDATING (serving_models.py): vLLM's "Success: ..." line
     ("/v1/load_lora_adapter", "post"): {TEXT: STRING},
     ("/v1/unload_lora_adapter", "post"): {TEXT: STRING},
+    ("/reset_prefix_cache", "post"): {},  # with VLLM_SERVER_DEV_MODE: no body, as vLLM
     ("/tokenize", "post"): {JSON: _ref("TokenizeResponse")},
     ("/detokenize", "post"): {JSON: _ref("DetokenizeResponse")},
     ("/metrics", "get"): {METRICS_CONTENT_TYPE: STRING},  # the Prometheus text exposition format
