@@ -111,9 +111,12 @@ def layer_windows(config, every_layer: bool) -> list[int | None]:
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(config)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # Computed on the CPU even inside the loader's meta-device context: ops on meta tensors run torch's
+        # Python decompositions, whose first use imports torch._dynamo and Triton (a second of start-up).
+        with torch.device("cpu"):
+            inv_freq, scaling = rope_inv_freq(config)
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 

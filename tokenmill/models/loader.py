@@ -3,6 +3,7 @@
 Only safetensors and GGUF are read: nothing is ever unpickled, and nothing is downloaded."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -142,11 +143,27 @@ def quantize_linears(model: nn.Module, kind: str, ops) -> None:
         model.embed_tokens = QuantizedEmbedding(QuantizedWeight(quantize(embed.weight, kind)))
 
 
+@contextlib.contextmanager
+def _no_init():
+    """The layers' random initialisation skipped while the model is built on the meta device, where it means
+    nothing: torch routes an init on meta tensors through its decompositions, which import torch._dynamo and
+    with it Triton (a second of start-up on a CPU-only machine, and ~30 lines of "nanobind: leaked" at exit)."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_positions: int,
                quantization: str = "none"):
     """quantization: --quantization (tokenmill/models/quantization.py); none keeps today's dense weights."""
     _, cls, options = resolve_architecture(info.hf_config)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = cls(info.hf_config, max_positions, **options)
     model = model.to_empty(device=device)
     reader = None
