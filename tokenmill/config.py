@@ -285,6 +285,11 @@ class EngineConfig(CliConfig):
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": "token budget of one step (default: 512 on CPU, so a prefill chunk stalls running decodes for "
                 "~0.3 s rather than over a second; 2048 on CUDA)"})
+    max_step_latency_ms: float | None = field(default=None, metadata={
+        "help": "while decodes run, prefill chunks get only the tokens that keep a step within this many ms, as "
+                "predicted by a step-cost model fitted from the engine's own steps (Sarathi-Serve's stall-free "
+                "batching). Default: twice what the step's decodes alone cost, at least 30 ms; with "
+                "--max-num-batched-tokens set and this not, the token budget alone decides (vLLM's rule); 0: off"})
     enable_chunked_prefill: bool | None = field(default=None, metadata={
         "help": "always on (a prompt longer than the step's token budget is prefilled in chunks); "
                 "--no-enable-chunked-prefill is refused"})
@@ -376,6 +381,8 @@ class EngineConfig(CliConfig):
         self.kv_transfer_config = KVTransferConfig.from_json(self.kv_transfer_config)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.max_step_latency_ms is not None and self.max_step_latency_ms < 0:
+            raise ValueError(f"--max-step-latency-ms must be >= 0 (0: off), got {self.max_step_latency_ms}")
         if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1) or self.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be positive")
         reasoning_spec(self.reasoning_parser, self.think_start_str, self.think_end_str)  # raises if invalid

@@ -24,6 +24,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.spec_decode.draft_model import DraftModelProposer
 from tokenmill.engine.spec_decode.speculator import Speculator
+from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.lora.adapter import LoRAError
 from tokenmill.lora.request import LoRARequest
@@ -44,6 +45,15 @@ def default_max_num_batched_tokens(device) -> int:
     stalled running decodes for 1.3 s per prefill step (ITL p99 1309 ms), 1024 for 0.7 s, 512 for 0.38 s, with
     the same output tok/s (283, 295, 289) and TTFT p50 2.7 s, 1.7 s, 1.1 s."""
     return 512 if device.type == "cpu" else 2048
+
+
+def step_cost_model(config: EngineConfig, runner_type: str) -> StepCostModel | None:
+    """--max-step-latency-ms: a target, 0 off; unset, the derived target, unless --max-num-batched-tokens was
+    given (then the token budget alone bounds a step, as in vLLM). Pooling runs no decodes to protect."""
+    ms = config.max_step_latency_ms
+    if runner_type == "pooling" or ms == 0 or (ms is None and config.max_num_batched_tokens is not None):
+        return None
+    return StepCostModel(None if ms is None else ms / 1000.0)
 
 
 class EngineCore:
@@ -75,6 +85,7 @@ class EngineCore:
             budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, budget,
                                    self.max_model_len, config.scheduling_policy)
+        self.scheduler.step_cost = self.step_cost = step_cost_model(config, self.runner_type)
         self.lora = self.scheduler.lora = getattr(self.runner, "lora", None)  # a LoRAManager with --enable-lora
         self.num_steps = 0
         self.last_step_tokens = 0
@@ -216,11 +227,14 @@ class EngineCore:
         block_tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.requests}
         if self.offload is not None:
             self.offload.quiet.clear()
+        started = time.perf_counter()
         try:
             result = self.runner.execute(sched, block_tables)
         finally:
             if self.offload is not None:
                 self.offload.quiet.set()
+        if self.step_cost is not None:
+            self._record_step_cost(sched, time.perf_counter() - started)
         self.num_steps += 1
         now = time.monotonic()
         outputs = failed
@@ -256,6 +270,19 @@ class EngineCore:
         if self.offload is not None:
             self._offload_save()
         return outputs
+
+    def _record_step_cost(self, sched, seconds: float) -> None:
+        """What this step computed, in the step-cost model's terms (before the step's tokens are counted)."""
+        prefill_tokens = prefill_pairs = decode_rows = decode_context = 0
+        for r in sched.requests:
+            n, ctx = sched.num_scheduled_tokens[r.request_id], r.num_computed_tokens
+            if r.num_tokens - ctx > 1:
+                prefill_tokens += n
+                prefill_pairs += n * ctx + n * (n + 1) // 2
+            else:
+                decode_rows += 1
+                decode_context += ctx
+        self.step_cost.record(prefill_tokens, prefill_pairs, decode_rows, decode_context, seconds)
 
     def _offload_save(self) -> None:
         """Saves the blocks this step computed, pinned until the tier's worker has copied them. Past the number

@@ -84,6 +84,8 @@ class Scheduler:
         # prefix it is loading: they wait outside the queue, in no step, until finish_load
         self.offload = None
         self.loading: dict[str, Request] = {}
+        # --max-step-latency-ms: bounds prefill chunks while decodes run (engine/step_cost.StepCostModel)
+        self.step_cost = None
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -92,15 +94,34 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests or self.loading)
 
+    def _prefill_budget(self, budget: int) -> int:
+        """The step's tokens for prefill chunks: all of the budget, unless decodes run and the step-cost model
+        bounds what a chunk may add to their step (engine/step_cost.py)."""
+        if self.step_cost is None:
+            return budget
+        rows = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        if not rows:
+            return budget
+        first = next((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1), None)
+        return self.step_cost.prefill_budget(len(rows), sum(r.num_computed_tokens for r in rows),
+                                             first.num_computed_tokens if first is not None else 0, budget)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefill_left = self._prefill_budget(budget)
         if self.speculator is not None:  # a decoding request with k drafts is scheduled for k + 1 tokens
             self.speculator.plan(self.running, budget, self.max_model_len)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1 and prefill_left <= 0:  # a prefill chunk waits for the next step
+                i += 1
+                continue
+            num_new = min(remaining + len(request.spec_token_ids), budget)
+            if remaining > 1:
+                num_new = min(num_new, prefill_left)
             del request.spec_token_ids[max(0, num_new - 1):]
             while not self.kv_cache.allocate_slots(request, num_new):
                 if request.spec_token_ids:  # drafts are given up before anyone is preempted
@@ -115,6 +136,8 @@ class Scheduler:
             else:
                 self._schedule(out, request, num_new)
                 budget -= num_new
+                if remaining > 1:
+                    prefill_left -= num_new
                 i += 1
         if self.speculator is not None:
             for request in self.running[i:]:  # not reached this step: their drafts are stale by the next one
@@ -123,7 +146,8 @@ class Scheduler:
         # A step that had to preempt has no room for newcomers.
         not_ready: list[Request] = []
         loras = self.running_loras() if self.lora is not None else None
-        while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not out.preempted and len(self.waiting) and min(budget, prefill_left) > 0
+               and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek()
             # stepped over, keeping its place in the queue: its grammar compiles, or its adapter has no slot
             if not self.is_ready(request) or (loras is not None and not self._lora_fits(request, loras)):
@@ -144,7 +168,7 @@ class Scheduler:
                         break
                     if started == "loading":
                         continue
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = min(request.num_tokens - num_hit, budget, prefill_left)
             if request.pooling is not None and num_new < request.num_tokens - num_hit:
                 break  # pooled in one step, never chunked: it waits for a step with room for all of it
             if not self.kv_cache.allocate_slots(request, num_new, hits):
@@ -164,6 +188,7 @@ class Scheduler:
                 loras.add(request.lora_request.lora_int_id)
             self._schedule(out, request, num_new)
             budget -= num_new
+            prefill_left -= num_new
         for request in reversed(not_ready):
             self.waiting.add(request, front=True)
         return out
