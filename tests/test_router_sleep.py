@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from fake_replica import MODEL, FakeReplica, running_router
 from helpers import wait_until_async
 from prometheus_client.parser import text_string_to_metric_families
@@ -93,3 +94,10 @@ def test_a_replica_that_refuses_sleep_stays_awake_and_serves(tokenizer):
         r = await client.post("/v1/completions", json=REQUEST)
         assert r.status_code == 200 and not fake.posts("/wake_up")
     _run(tokenizer, scenario, replicas=1, min_awake=0)
+
+
+def test_sleep_flags_without_sleep_after_idle_are_refused():
+    with pytest.raises(ValueError, match="give it too"):
+        RouterConfig(backend=["http://a"], sleep_level=2)
+    with pytest.raises(ValueError, match="must be positive"):
+        RouterConfig(backend=["http://a"], sleep_after_idle=0)

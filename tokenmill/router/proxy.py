@@ -448,6 +448,9 @@ async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, c
             state.replicas.eject(replica, f"{type(e).__name__} while waking it")
             state.metrics.retries.labels(replica.name, "wake").inc()
             return f"{replica.name}: {type(e).__name__} while waking it"
+        except BaseException:  # cancelled while it waited (the wake goes on for the others)
+            replica.in_flight -= 1
+            raise
     try:
         upstream = await state.client.post(replica.url, path, content, ex.headers)
     except TRANSPORT_ERRORS as e:

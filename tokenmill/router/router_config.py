@@ -116,6 +116,8 @@ class RouterConfig(CliConfig):
             raise ValueError("--sleep-after-idle must be positive (leave it out to keep every replica awake)")
         if self.min_awake < 0:
             raise ValueError("--min-awake must not be negative")
+        if self.sleep_after_idle is None and (self.sleep_level != 1 or self.min_awake != 1):
+            raise ValueError("--sleep-level and --min-awake apply to --sleep-after-idle: give it too")
         if self.max_attempts < 1 or self.block_size < 1 or self.health_check_interval <= 0:
             raise ValueError("--max-attempts, --block-size and --health-check-interval must be positive")
         if self.max_resumes < 0 or self.max_concurrent_requests < 0 or self.max_queued_requests < 0 \

@@ -130,6 +130,8 @@ class IdleSleeper:
             sleeping = msgspec.json.decode(body).get("is_sleeping") if status == 200 else None
         except (msgspec.DecodeError, AttributeError):
             sleeping = None
+        if status == 404:
+            sleeping = False  # no sleep mode (a new process, started without it): it cannot be asleep
         if isinstance(sleeping, bool) and (replica.transition is None or replica.transition.done()):
             if sleeping and not replica.asleep:
                 logger.info("%s is asleep: it will be woken when a request is routed to it", replica.name)
