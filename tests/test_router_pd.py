@@ -10,10 +10,13 @@ import json
 
 import httpx
 import pytest
-from fake_replica import ANSWER, MODEL, FakeReplica, running_router
-from helpers import wait_until_async
+from fake_replica import MODEL, FakeReplica, running_router
+from helpers import free_port, wait_until_async
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenmill.config import KVEventsConfig
+from tokenmill.engine.kv_event_publisher import ZmqEventPublisher
+from tokenmill.engine.kv_events import BlockStored
 from tokenmill.router.kv_index import prompt_block_hashes
 from tokenmill.router.router_config import RouterConfig
 
@@ -46,14 +49,26 @@ def _content(events: str) -> tuple[str, set]:
     return text, ids
 
 
-def _run(tokenizer, scenario, prefill: int = 2, decode: int = 2, policy: str = "round_robin", **config):
+def _run(tokenizer, scenario, prefill: int = 2, decode: int = 2, policy: str = "round_robin",
+         kv_events: bool = False, **config):
+    """`scenario(client, state, prefills, decodes)` with the router in front of fake instances; with `kv_events`,
+    each fake has a real KV-event publisher (fake.publisher) whose endpoints the router is given."""
     async def main():
         prefills = [await FakeReplica(tokenizer, {**PARAMS, "remote_engine_id": f"engine-p{i}"}).start()
                     for i in range(prefill)]
         decodes = [await FakeReplica(tokenizer).start() for _ in range(decode)]
+        if kv_events:
+            endpoints = []
+            for fake in prefills + decodes:
+                pub, replay = free_port(), free_port()
+                fake.publisher = ZmqEventPublisher(KVEventsConfig(True, endpoint=f"tcp://*:{pub}",
+                                                                  replay_endpoint=f"tcp://127.0.0.1:{replay}"))
+                endpoints.append((f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"))
+            config.update(kv_events_endpoint=[e[0] for e in endpoints],
+                          kv_events_replay_endpoint=[e[1] for e in endpoints])
         try:
             cfg = RouterConfig(prefill=[p.url for p in prefills], decode=[d.url for d in decodes], policy=policy,
-                               health_check_interval=0.2, **config)
+                               **{"health_check_interval": 0.2, **config})
             async with running_router(cfg, tokenizer) as (url, state), httpx.AsyncClient(base_url=url,
                                                                                        timeout=30) as client:
                 await wait_until_async(lambda: all(r.healthy for r in state.replicas.replicas), timeout_s=10)
@@ -61,6 +76,8 @@ def _run(tokenizer, scenario, prefill: int = 2, decode: int = 2, policy: str = "
         finally:
             for replica in prefills + decodes:
                 await replica.stop()
+                if kv_events:
+                    replica.publisher.shutdown()
     asyncio.run(main())
 
 
@@ -111,17 +128,22 @@ def test_a_request_is_prefilled_then_decoded_in_vllms_shapes(tokenizer):
 
 
 def test_each_stage_goes_where_its_pool_caches_the_prompt(tokenizer):
-    """--policy kv on each pool's own index: the prompt's blocks cached on the second prefill instance and the
-    first decode instance send the prefill and the decode there."""
+    """--policy kv on each pool's own index, fed by each instance's KV events (--kv-events-endpoint in --prefill
+    then --decode order): the second prefill instance and the first decode instance publish the prompt's blocks,
+    and the prefill and the decode go there."""
     async def scenario(client, state, prefills, decodes):
         request = {**CHAT, "stream": False}
         request.pop("stream_options")
         ids = state.tokenizer.token_ids("chat", request)
-        hashes = prompt_block_hashes(ids, state.config.block_size)
+        size = state.config.block_size
+        hashes = prompt_block_hashes(ids, size)
         assert len(hashes) >= 2
+        for fake in (prefills[1], decodes[0]):
+            fake.publisher.publish([BlockStored(hashes, None, ids[:len(hashes) * size], size, None, "GPU", None)])
         by_url = {r.url: r for r in state.replicas.replicas}
-        by_url[prefills[1].url].index.blocks.update(hashes)
-        by_url[decodes[0].url].index.blocks.update(hashes)
+        await wait_until_async(lambda: all(by_url[f.url].index.blocks == set(hashes)
+                                           for f in (prefills[1], decodes[0])), timeout_s=10)
+        assert not by_url[prefills[0].url].index.blocks and not by_url[decodes[1].url].index.blocks
         for _ in range(2):
             r = await client.post("/v1/chat/completions", json=request)
             assert r.status_code == 200
@@ -130,13 +152,13 @@ def test_each_stage_goes_where_its_pool_caches_the_prompt(tokenizer):
             assert r.headers["x-tokenmill-route-reason"] == "kv_hit"
             assert int(r.headers["x-tokenmill-predicted-cached-tokens"]) == len(hashes) * state.config.block_size
         assert not prefills[0].calls and not decodes[1].calls
-    _run(tokenizer, scenario, policy="kv")
+    _run(tokenizer, scenario, policy="kv", kv_events=True)
 
 
 def test_a_prefill_instance_down_or_failing_is_replaced_by_the_next(tokenizer):
     """Round robin sends the first prefill to an instance that is down (connection refused) and the next to one
     that answers 500: both requests are prefilled by the third instance and decoded; the failures are counted,
-    the dead one ejected."""
+    the dead one ejected. (Health checks 300 s apart: the requests, not a check, meet the dead instance.)"""
     async def scenario(client, state, prefills, decodes):
         dead, broken, good = prefills
         await dead.stop()
@@ -145,8 +167,7 @@ def test_a_prefill_instance_down_or_failing_is_replaced_by_the_next(tokenizer):
             r = await client.post("/v1/chat/completions", json={**CHAT, "stream": False})
             assert r.status_code == 200, r.text
             assert r.headers["x-tokenmill-prefill-replica"] == good.url
-            assert r.json()["choices"][0]["message"]["content"] == ANSWER[:0] + tokenizer.decode(
-                good.answer_ids[:10])
+            assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode(good.answer_ids[:10])
         assert len(broken.posts("/v1/chat/completions")) >= 1 and len(good.posts("/v1/chat/completions")) == 2
         for decode in decodes:
             for call in decode.posts("/v1/chat/completions"):
@@ -156,10 +177,10 @@ def test_a_prefill_instance_down_or_failing_is_replaced_by_the_next(tokenizer):
         assert _metric(metrics, "tokenmill_router:pd_prefill_failovers_total", replica=broken.url) >= 1
         assert _metric(metrics, "tokenmill_router:replica_healthy", replica=dead.url) == 0
         broken.status = 200
-        await good.stop()  # no prefill instance answers 200 now but the broken one, mended
+        await good.stop()  # the mended one is the only prefill instance that answers now
         r = await client.post("/v1/chat/completions", json={**CHAT, "stream": False})
         assert r.status_code == 200 and r.headers["x-tokenmill-prefill-replica"] == broken.url
-    _run(tokenizer, scenario, prefill=3)
+    _run(tokenizer, scenario, prefill=3, health_check_interval=300)
 
 
 def test_a_decode_instance_that_dies_mid_stream_is_resumed_on_another(tokenizer):
