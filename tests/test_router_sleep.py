@@ -26,12 +26,14 @@ def _metric(text: str, name: str, **labels) -> float:
     return 0.0
 
 
-def _run(tokenizer, scenario, replicas: int, wake_s: float = 0.0, **config):
+def _run(tokenizer, scenario, replicas: int, wake_s: float = 0.0, asleep: bool = False, **config):
     async def main():
         fakes = [await FakeReplica(tokenizer, wake_s=wake_s).start() for _ in range(replicas)]
+        for fake in fakes:
+            fake.asleep = asleep
         try:
-            cfg = RouterConfig(backend=[f.url for f in fakes], policy="least_load", health_check_interval=0.2,
-                               sleep_after_idle=IDLE_S, **config)
+            cfg = RouterConfig(backend=[f.url for f in fakes], policy="least_load",
+                               **{"health_check_interval": 0.2, "sleep_after_idle": IDLE_S, **config})
             async with running_router(cfg, tokenizer) as (url, state), httpx.AsyncClient(base_url=url,
                                                                                        timeout=30) as client:
                 await scenario(client, state, fakes)
@@ -94,6 +96,18 @@ def test_a_replica_that_refuses_sleep_stays_awake_and_serves(tokenizer):
         r = await client.post("/v1/completions", json=REQUEST)
         assert r.status_code == 200 and not fake.posts("/wake_up")
     _run(tokenizer, scenario, replicas=1, min_awake=0)
+
+
+def test_a_replica_asleep_before_the_router_started_is_admitted_and_woken(tokenizer):
+    """A replica left asleep (its /health/ready answers 503): the router asks /is_sleeping at start-up, admits it,
+    and wakes it for the first request."""
+    async def scenario(client, state, fakes):
+        [fake] = fakes
+        assert state.replicas.replicas[0].healthy and state.replicas.replicas[0].asleep
+        r = await client.post("/v1/completions", json=REQUEST)
+        assert r.status_code == 200, r.text
+        assert [c.path for c in fake.calls] == ["/wake_up", "/v1/completions"]
+    _run(tokenizer, scenario, replicas=1, asleep=True, sleep_after_idle=60, min_awake=0)
 
 
 def test_sleep_flags_without_sleep_after_idle_are_refused():
