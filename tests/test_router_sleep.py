@@ -110,6 +110,18 @@ def test_a_replica_asleep_before_the_router_started_is_admitted_and_woken(tokeni
     _run(tokenizer, scenario, replicas=1, asleep=True, sleep_after_idle=60, min_awake=0)
 
 
+def test_a_replica_put_to_sleep_behind_the_routers_back_is_woken_for_a_request(tokenizer):
+    """Someone else sends the only replica to sleep: the request meets a 503, the router finds it asleep
+    (/is_sleeping), wakes it, and the request succeeds there."""
+    async def scenario(client, state, fakes):
+        [fake] = fakes
+        fake.asleep = True
+        r = await client.post("/v1/completions", json=REQUEST)
+        assert r.status_code == 200, r.text
+        assert [c.path for c in fake.calls] == ["/v1/completions", "/wake_up", "/v1/completions"]
+    _run(tokenizer, scenario, replicas=1, sleep_after_idle=60, min_awake=0, health_check_interval=300)
+
+
 def test_sleep_flags_without_sleep_after_idle_are_refused():
     with pytest.raises(ValueError, match="give it too"):
         RouterConfig(backend=["http://a"], sleep_level=2)

@@ -427,10 +427,12 @@ def _routable_for(state: RouterState, ex: Exchange, role: str | None = None) -> 
 
 
 async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, content: bytes, reason: str,
-                whole: bool = False):
+                whole: bool = False, rechecked: bool = False):
     """Sends the request to `replica` and waits for the first bytes of its body (all of it if `whole`: a
     response that is not streamed): (upstream, first, rest; rest None if whole) with the exchange now on that
-    replica, or the failure's description (the replica was ejected or cooled down)."""
+    replica, or the failure's description (the replica was ejected or cooled down). A replica asleep is woken
+    first; one that answers 503 because it was put to sleep behind the router's back (with --sleep-after-idle) is
+    woken and asked again, once (`rechecked`)."""
     state.metrics.requests.labels(replica.name, reason).inc()
     ex.tried.append(replica)
     replica.in_flight += 1
@@ -460,9 +462,12 @@ async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, c
         return f"{replica.name}: {type(e).__name__}"
     ex.replica, ex.upstream, ex.reason = replica, upstream, reason
     if upstream.status in RETRY_STATUSES:
+        await ex.release_upstream()
+        if upstream.status == 503 and state.sleeper is not None and not rechecked \
+                and await state.sleeper.found_asleep(replica):
+            return await _open(state, ex, replica, path, content, reason, whole, rechecked=True)
         if upstream.status == 503:
             state.replicas.cool_down(replica, upstream.headers.get("retry-after"))
-        await ex.release_upstream()
         state.metrics.retries.labels(replica.name, str(upstream.status)).inc()
         return f"{replica.name} answered {upstream.status}"
     try:

@@ -13,7 +13,8 @@ sent, so a request that comes during the /sleep waits for it to end and then for
 request in flight is never sent to sleep (the check and the mark happen with no await between them).
 
 A replica that refuses /sleep (no --enable-sleep-mode: 404; or busy) stays awake and is asked again only after
-another idle period. The sleep of a replica asleep is confirmed each tick by `GET /is_sleeping` (a replica woken
+another idle period. A replica put to sleep behind the router's back answers a request with 503: the router
+then asks its /is_sleeping, and wakes it and asks again. The sleep of a replica asleep is confirmed each tick by `GET /is_sleeping` (a replica woken
 by someone else is awake again; one that no longer answers is ejected), and at start-up the router asks every
 replica, so that one left asleep by an earlier router is admitted and woken on demand."""
 from __future__ import annotations
@@ -114,6 +115,11 @@ class IdleSleeper:
     async def find_asleep(self) -> None:
         """At start-up: the replicas that are asleep already (left so by an earlier router)."""
         await asyncio.gather(*(self._read_sleeping(r, eject=False) for r in self.replicas.replicas))
+
+    async def found_asleep(self, replica: Replica) -> bool:
+        """After a 503 from `replica`: whether it is asleep (a /sleep sent to it directly), marked so if it is."""
+        await self._read_sleeping(replica, eject=False)
+        return replica.asleep
 
     async def confirm_asleep(self) -> None:
         await asyncio.gather(*(self._read_sleeping(r, eject=True) for r in self.replicas.replicas
