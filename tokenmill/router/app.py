@@ -35,6 +35,7 @@ from tokenmill.router.proxy import (
 )
 from tokenmill.router.replicas import Replica, ReplicaClient, ReplicaSet
 from tokenmill.router.router_config import RouterConfig
+from tokenmill.router.sleep import IdleSleeper
 from tokenmill.router.tenants import AdmissionQueue, TenantRegistry, load_tenants
 from tokenmill.router.tracing import make_router_tracer
 
@@ -43,14 +44,22 @@ logger = logging.getLogger("tokenmill.router")
 
 def build_state(config: RouterConfig, tokenizer) -> RouterState:
     client = ReplicaClient(config.request_timeout)
-    replicas = [Replica(url, KVIndex(url, config.block_size)) for url in config.backend]
-    tenants = TenantRegistry(load_tenants(config.tenants_config, config.backend)) if config.tenants_config else None
-    return RouterState(config, ReplicaSet(replicas, client, config.health_check_interval),
-                       make_policy(config.policy, config.load_tokens_per_request, config.session_load_factor),
-                       PromptTokenizer(tokenizer), RouterMetrics(), client, tenants,
+    urls = config.replica_urls
+    replicas = [Replica(url, KVIndex(url, config.block_size), role=config.role_of(i)) for i, url in enumerate(urls)]
+    tenants = TenantRegistry(load_tenants(config.tenants_config, urls)) if config.tenants_config else None
+
+    def policy():
+        return make_policy(config.policy, config.load_tokens_per_request, config.session_load_factor)
+    replica_set, metrics = ReplicaSet(replicas, client, config.health_check_interval), RouterMetrics()
+    sleeper = None
+    if config.sleep_after_idle is not None:
+        sleeper = IdleSleeper(replica_set, client, metrics, config.sleep_after_idle, config.sleep_level,
+                              config.min_awake)
+    return RouterState(config, replica_set, policy(), PromptTokenizer(tokenizer), metrics, client, tenants,
                        AdmissionQueue(config.max_concurrent_requests, config.max_queued_requests,
                                       config.queue_timeout),
-                       make_router_tracer(config.otlp_traces_endpoint))
+                       make_router_tracer(config.otlp_traces_endpoint),
+                       prefill_policy=policy() if config.disaggregated else None, sleeper=sleeper)
 
 
 def join(state: RouterState, url: str, kv_events_endpoint: str | None, replay_endpoint: str | None) -> Replica:
@@ -135,18 +144,23 @@ def build_app(state: RouterState, lifecycle: Lifecycle | None = None):
             if config.kv_events_endpoint:
                 replay = config.kv_events_replay_endpoint[i] if config.kv_events_replay_endpoint else None
                 state.feeds.start(replica.index, config.kv_events_endpoint[i], replay)
+        if state.sleeper is not None:
+            await state.sleeper.find_asleep()
         await state.replicas.check_all()
-        poller = asyncio.create_task(state.replicas.poll_forever())
+        tasks = [asyncio.create_task(state.replicas.poll_forever())]
+        if state.sleeper is not None:
+            tasks.append(asyncio.create_task(state.sleeper.run_forever()))
         admitted = sum(r.healthy for r in state.replicas.replicas)
-        logger.info("routing to %d replicas (%d admitted now) with --policy %s", len(state.replicas.replicas),
-                    admitted, config.policy)
+        logger.info("routing to %d replicas (%d admitted now) with --policy %s%s", len(state.replicas.replicas),
+                    admitted, config.policy, ", disaggregated" if config.disaggregated else "")
         lifecycle.phase = "ready"
         freeze_startup_heap()
         try:
             yield
         finally:
-            poller.cancel()
-            await asyncio.gather(poller, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await state.feeds.close()
             await state.client.aclose()
             if state.tracer is not None:
@@ -167,9 +181,12 @@ def build_app(state: RouterState, lifecycle: Lifecycle | None = None):
     async def health(request: Request):
         if lifecycle.phase != "ready":
             return error_response(503, "the router is shutting down", "service_unavailable_error")
-        if state.replicas.routable():
+        if not config.disaggregated and state.replicas.routable():
             return Response(status_code=200)
-        return error_response(503, "no replica is admitted", "service_unavailable_error")
+        if config.disaggregated and state.replicas.routable("prefill") and state.replicas.routable("decode"):
+            return Response(status_code=200)
+        what = "a prefill and a decode instance" if config.disaggregated else "replica"
+        return error_response(503, f"no {what} is admitted", "service_unavailable_error")
 
     async def live(request: Request):
         return Response(status_code=200)
@@ -208,8 +225,8 @@ def run_from_cli(args: argparse.Namespace) -> int:
     from tokenmill.logs import configure_logging
     try:
         config = RouterConfig.from_cli_args(args)
-        if not config.backend:
-            raise ValueError("give at least one --backend URL")
+        if not config.replica_urls:
+            raise ValueError("give at least one --backend URL (or --prefill and --decode URLs)")
         tokenizer = load_router_tokenizer(config)
         configure_logging()
         state = build_state(config, tokenizer)

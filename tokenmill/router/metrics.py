@@ -9,6 +9,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # the time the router adds before a request leaves for its replica: reading, tokenizing, hashing, choosing
 OVERHEAD_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+# a replica's /wake_up: under a second from level 1, seconds from level 2 (the weights mapped again)
+WAKE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class RouterMetrics:
@@ -62,6 +64,24 @@ class RouterMetrics:
         self.cpu_per_request = Gauge("tokenmill_router:cpu_seconds_per_request", "the router process's CPU time "
                                      "(tokenizing, hashing, relaying, health checks, KV events) per finished "
                                      "request", registry=registry)
+        # disaggregated serving (--prefill, --decode)
+        self.pd_requests = Counter("tokenmill_router:pd_requests", "disaggregated requests placed, by stage "
+                                   "(prefill, decode) and the instance that served the stage", ["stage", "replica"],
+                                   registry=registry)
+        self.pd_prefill_failovers = Counter("tokenmill_router:pd_prefill_failovers", "prefills that failed on this "
+                                            "prefill instance (connection, 5xx): the next prefill instance in the "
+                                            "policy's ranking is tried (up to --max-attempts)",
+                                            ["replica"], registry=registry)
+        # idle replicas sleep (--sleep-after-idle)
+        self.sleeping = Gauge("tokenmill_router:sleeping_replicas", "replicas the router has put to sleep (or found "
+                              "asleep) and not woken since", registry=registry)
+        self.sleeps = Counter("tokenmill_router:replica_sleeps", "POST /sleep the replica accepted", ["replica"],
+                              registry=registry)
+        self.wakes = Counter("tokenmill_router:replica_wakes", "POST /wake_up the replica answered, for requests "
+                             "routed to it", ["replica"], registry=registry)
+        self.wake_seconds = Histogram("tokenmill_router:wake_seconds", "time a replica's POST /wake_up took (what "
+                                      "the requests that waited for it waited)", buckets=WAKE_BUCKETS,
+                                      registry=registry)
         self._cpu_start = time.process_time()
         self._num_finished = 0
 
@@ -84,6 +104,7 @@ class RouterMetrics:
         if admission is not None:
             self.queued.set(admission.queued)
             self.admitted.set(admission.in_flight)
+        self.sleeping.set(sum(r.asleep for r in replicas))
         for r in replicas:
             self.in_flight.labels(r.name).set(r.in_flight)
             self.load.labels(r.name).set(r.load)

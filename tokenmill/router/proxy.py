@@ -12,6 +12,21 @@ becoming the replica's cooldown. Once bytes flow, a resumable stream (tokenmill/
 event by event and continued on another replica if its replica fails; anything else is passed through as it
 comes, and a failure mid-way ends a stream with an error event.
 
+Disaggregated serving (--prefill, --decode): a chat or completion request is first prefilled on a prefill
+instance, then decoded on a decode instance, each chosen by the policy among its own pool (their KV indexes: the
+prefill instance that caches most of the prompt computes least of it; the decode instance that caches most of it
+fetches least). The shapes are vLLM's (its disaggregated proxy, tests/v1/kv_connector/nixl_integration/
+toy_proxy_server.py): the prefill request is the client's with `kv_transfer_params` {"do_remote_decode": true,
+...}, max_tokens 1, not streamed; its answer's top-level `kv_transfer_params` (opaque to the router) goes into
+the client's own request, sent to the decode instance, whose answer is the client's. A prefill instance that
+fails (connection, 5xx) is replaced by the next one in the ranking; the decode stage is then an ordinary request
+on the decode pool: retried before its first byte, resumed mid-stream. A retried or resumed decode carries no
+`kv_transfer_params` and recomputes the prompt on its instance: the blocks the first decode instance was to fetch
+may be gone (fetched and freed, or timed out), and a resumed prompt holds the generated tokens too.
+
+A replica asleep (--sleep-after-idle, tokenmill/router/sleep.py) is woken before a request is sent to it; the
+request waits for the wake.
+
 Everything a request holds (its admission slot, its replica's in-flight count, the upstream connection, its
 span) is released once, when its response ends however it ends (Exchange.close)."""
 from __future__ import annotations
@@ -20,6 +35,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgspec
@@ -35,6 +51,7 @@ from tokenmill.router.replica_client import TRANSPORT_ERRORS, ReplicaClient, Rep
 from tokenmill.router.replicas import Replica, ReplicaSet
 from tokenmill.router.resume import ResumableStream, why_not_resumable
 from tokenmill.router.router_config import RouterConfig
+from tokenmill.router.sleep import IdleSleeper, WakeFailed
 from tokenmill.router.tenants import AdmissionQueue, Rejected, Tenant, TenantRegistry, retry_after_header
 from tokenmill.router.tracing import RouterTracer
 from tokenmill.tokenizer import INLINE_ENCODE_CHARS
@@ -61,6 +78,8 @@ class RouterState:
     admission: AdmissionQueue = field(default_factory=lambda: AdmissionQueue(0, 0, 1.0))
     tracer: RouterTracer | None = None
     feeds: KVEventFeeds | None = None  # the replicas' KV-event subscribers, while the app runs (its lifespan)
+    prefill_policy: Policy | None = None  # disaggregated: ranks the prefill pool (state.policy the decode pool)
+    sleeper: IdleSleeper | None = None  # --sleep-after-idle
 
 
 def _route_request(state: RouterState, route: str, body: dict | None, session_header: str | None) -> RouteRequest:
@@ -106,6 +125,7 @@ class Exchange:
     stream: ResumableStream | None = None
     replica: Replica | None = None  # the replica serving it now
     committed: Replica | None = None  # the replica whose first byte went out (the prediction was for it)
+    prefilled_on: Replica | None = None  # disaggregated: the prefill instance whose KV the decode was sent
     upstream: ReplicaResponse | None = None
     reason: str = ""
     predicted: int = 0
@@ -118,6 +138,7 @@ class Exchange:
         if self.upstream is not None:
             upstream, self.upstream = self.upstream, None
             self.replica.in_flight -= 1
+            self.replica.last_active = time.monotonic()
             # back to the pool if the body was read to its end (or a stream to its [DONE]), else the connection
             # closes, which is how the replica learns to stop generating
             upstream.release(answer_over=self.stream is not None and self.stream.done)
@@ -153,6 +174,7 @@ class Exchange:
                     "tokenmill.router.predicted_cached_tokens": self.predicted,
                     "tokenmill.router.cached_tokens": cached,
                     "tokenmill.router.resumes": self.stream.num_resumes if self.stream else 0,
+                    "tokenmill.router.prefill_replica": self.prefilled_on and self.prefilled_on.url,
                     "tokenmill.router.tenant": self.tenant and self.tenant.name})
 
 
@@ -233,6 +255,8 @@ async def forward(state: RouterState, request: Request, path: str, route: str) -
         return response
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST_HEADERS
                and not (tenant is not None and k.lower() == "authorization")}
+    if state.config.disaggregated and "x-request-id" not in headers:
+        headers["x-request-id"] = str(uuid.uuid4())  # one id for the prefill and the decode, as vLLM's proxy sends
     span = state.tracer.start(route, request.headers) if state.tracer is not None else None
     if span is not None:
         state.tracer.inject(span, headers)
@@ -270,10 +294,23 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
         return _unavailable("no replica is admitted (all failed their health checks or are cooling down)"
                             + (f" among tenant {ex.tenant.name!r}'s replicas" if ex.tenant and ex.tenant.replicas
                                else ""))
+    first_raw = None  # what the first attempt sends, if not what a retry sends (a decode with its KV)
+    if state.config.disaggregated and prompt_kind(route, body) is not None:
+        if "kv_transfer_params" in body:
+            return error_response(400, "the router sets kv_transfer_params in disaggregated serving: leave it out",
+                                  "invalid_request_error", "kv_transfer_params")
+        prefilled = await _prefill(state, ex, path, body, arrived)
+        if isinstance(prefilled, Response):
+            return prefilled
+        arrived = None  # the overhead was observed at the prefill
+        if prefilled:
+            first_raw = msgspec.json.encode({**body, "kv_transfer_params": prefilled})
     plan = state.policy.rank(routable, ex.route_request)
     if state.config.max_resumes > 0 and why_not_resumable(route, body) is None:
         ex.stream = ResumableStream(route, body, state.tokenizer.tokenizer)
         raw = ex.stream.upstream_body()
+        if first_raw is not None:
+            first_raw = ex.stream.upstream_body({"kv_transfer_params": prefilled})
     last_failure = ""
     streaming = bool(body and body.get("stream"))
     # a Responses request that continues a stored response goes where that response is stored: each replica
@@ -281,10 +318,11 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
     find_previous = route == "responses" and body is not None and body.get("previous_response_id") is not None
     attempts = plan.ranked if find_previous else plan.ranked[:state.config.max_attempts]
     for attempt, replica in enumerate(attempts):
-        if attempt == 0:
+        if attempt == 0 and arrived is not None:
             state.metrics.overhead.observe(time.perf_counter() - arrived)
         reason = plan.reason if attempt == 0 else "retry"
-        opened = await _open(state, ex, replica, path, raw, reason, whole=not streaming)
+        content = first_raw if attempt == 0 and first_raw is not None else raw
+        opened = await _open(state, ex, replica, path, content, reason, whole=not streaming)
         if isinstance(opened, str):
             last_failure = opened
             continue
@@ -293,11 +331,15 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
             await ex.release_upstream()
             continue
         ex.predicted, ex.committed = plan.predicted_cached_tokens.get(replica, 0), replica
+        if ex.prefilled_on is not None:
+            state.metrics.pd_requests.labels("decode", replica.name).inc()
         state.metrics.prompt_tokens.labels(replica.name).inc(ex.route_request.num_prompt_tokens)
         state.metrics.predicted_cached_tokens.labels(replica.name).inc(ex.predicted)
         response_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
         response_headers.update({"x-tokenmill-replica": replica.url, "x-tokenmill-route-reason": reason,
                                  "x-tokenmill-predicted-cached-tokens": str(ex.predicted)})
+        if ex.prefilled_on is not None:
+            response_headers["x-tokenmill-prefill-replica"] = ex.prefilled_on.url
         ex.status = upstream.status
         if chunks is None:  # a whole body (not streamed): one plain response; forward() closes the exchange
             if ex.status == 200 and len(first) <= MAX_USAGE_BODY:
@@ -313,11 +355,68 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
     return _unavailable(f"no replica could serve the request ({last_failure})")
 
 
-def _routable_for(state: RouterState, ex: Exchange) -> list[Replica]:
+async def _prefill(state: RouterState, ex: Exchange, path: str, body: dict, arrived: float) -> dict | Response:
+    """The prefill stage: the request prefilled on the best prefill instance that answers; returns the
+    kv_transfer_params for the decode instance, or the response the client gets instead (a prefill instance's
+    4xx, as it is; a 503 if none could prefill)."""
+    prefill_body = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}}
+    if "max_completion_tokens" in prefill_body:
+        prefill_body["max_completion_tokens"] = 1
+    for name in ("stream_options", "min_tokens", "min_completion_tokens"):  # not for a 1-token prefill
+        prefill_body.pop(name, None)
+    content = msgspec.json.encode(prefill_body)
+    routable = _routable_for(state, ex, "prefill")
+    if not routable:
+        state.metrics.failures.labels("no_prefill_replica").inc()
+        return _unavailable("no prefill instance is admitted (all failed their health checks or are cooling down)")
+    plan = state.prefill_policy.rank(routable, ex.route_request)
+    last_failure = ""
+    for attempt, replica in enumerate(plan.ranked[:state.config.max_attempts]):
+        if attempt == 0:
+            state.metrics.overhead.observe(time.perf_counter() - arrived)
+        opened = await _open(state, ex, replica, path, content, plan.reason if attempt == 0 else "retry", whole=True)
+        if isinstance(opened, str):
+            last_failure = opened
+            state.metrics.pd_prefill_failovers.labels(replica.name).inc()
+            continue
+        upstream, answer, _ = opened
+        status, headers = upstream.status, upstream.headers
+        await ex.release_upstream()
+        if status >= 500:
+            state.metrics.retries.labels(replica.name, str(status)).inc()
+            state.metrics.pd_prefill_failovers.labels(replica.name).inc()
+            last_failure = f"{replica.name} answered {status}"
+            continue
+        if status != 200:  # the request's own fault: every instance would say the same
+            headers = {k: v for k, v in headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
+            headers["x-tokenmill-prefill-replica"] = replica.url
+            return Response(answer, status_code=status, headers=headers)
+        ex.prefilled_on = replica
+        state.metrics.pd_requests.labels("prefill", replica.name).inc()
+        try:
+            params = msgspec.json.decode(answer).get("kv_transfer_params")
+        except (msgspec.DecodeError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            logger.warning("%s answered a prefill without kv_transfer_params (is it started with --kv-transfer-"
+                           "config kv_role kv_producer?): the decode instance computes the prompt itself",
+                           replica.name)
+            return {}
+        return params
+    state.metrics.failures.labels("all_prefills_failed").inc()
+    return _unavailable(f"no prefill instance could prefill the request ({last_failure})")
+
+
+def _routable_for(state: RouterState, ex: Exchange, role: str | None = None) -> list[Replica]:
     """The admitted replicas this request may go to: its tenant's, if the tenant names any, and of those the ones
     that serve its model (a LoRA adapter loaded on some replicas only). If none lists the model, all are
-    candidates: the replica's answer (404 for an unknown model) is the truthful one."""
-    routable = state.replicas.routable()
+    candidates: the replica's answer (404 for an unknown model) is the truthful one. Disaggregated, those of
+    `role`: the decode instances unless the prefill ones are asked for (they serve every other route too)."""
+    if state.config.disaggregated:
+        role = role or "decode"
+    routable = state.replicas.routable(role)
     if ex.tenant is not None:
         routable = ex.tenant.may_use(routable)
     model = ex.route_request.model
@@ -328,13 +427,32 @@ def _routable_for(state: RouterState, ex: Exchange) -> list[Replica]:
 
 
 async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, content: bytes, reason: str,
-                whole: bool = False):
+                whole: bool = False, rechecked: bool = False):
     """Sends the request to `replica` and waits for the first bytes of its body (all of it if `whole`: a
     response that is not streamed): (upstream, first, rest; rest None if whole) with the exchange now on that
-    replica, or the failure's description (the replica was ejected or cooled down)."""
+    replica, or the failure's description (the replica was ejected or cooled down). A replica asleep is woken
+    first; one that answers 503 because it was put to sleep behind the router's back (with --sleep-after-idle) is
+    woken and asked again, once (`rechecked`)."""
     state.metrics.requests.labels(replica.name, reason).inc()
     ex.tried.append(replica)
     replica.in_flight += 1
+    replica.last_active = time.monotonic()
+    if replica.asleep and state.sleeper is not None:
+        try:
+            await state.sleeper.wake(replica)
+        except WakeFailed as e:
+            replica.in_flight -= 1
+            state.replicas.cool_down(replica, None)
+            state.metrics.retries.labels(replica.name, "wake").inc()
+            return str(e)
+        except TRANSPORT_ERRORS as e:
+            replica.in_flight -= 1
+            state.replicas.eject(replica, f"{type(e).__name__} while waking it")
+            state.metrics.retries.labels(replica.name, "wake").inc()
+            return f"{replica.name}: {type(e).__name__} while waking it"
+        except BaseException:  # cancelled while it waited (the wake goes on for the others)
+            replica.in_flight -= 1
+            raise
     try:
         upstream = await state.client.post(replica.url, path, content, ex.headers)
     except TRANSPORT_ERRORS as e:
@@ -344,9 +462,12 @@ async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, c
         return f"{replica.name}: {type(e).__name__}"
     ex.replica, ex.upstream, ex.reason = replica, upstream, reason
     if upstream.status in RETRY_STATUSES:
+        await ex.release_upstream()
+        if upstream.status == 503 and state.sleeper is not None and not rechecked \
+                and await state.sleeper.found_asleep(replica):
+            return await _open(state, ex, replica, path, content, reason, whole, rechecked=True)
         if upstream.status == 503:
             state.replicas.cool_down(replica, upstream.headers.get("retry-after"))
-        await ex.release_upstream()
         state.metrics.retries.labels(replica.name, str(upstream.status)).inc()
         return f"{replica.name} answered {upstream.status}"
     try:

@@ -55,7 +55,9 @@ ROUTER_MAX_ONGOING_REQUESTS = 100_000
 # Serve's default target (2) is for models that serve one at a time.
 DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 16}
 # the flags of `tokenmill router` that do not apply here: the replicas join by themselves, Serve's proxy serves HTTP
-ROUTER_ONLY_FLAGS = ("backend", "kv_events_endpoint", "kv_events_replay_endpoint", "uvicorn_log_level")
+# (disaggregated serving and idle sleep need instances started for them: not Serve's replicas)
+ROUTER_ONLY_FLAGS = ("backend", "prefill", "decode", "kv_events_endpoint", "kv_events_replay_endpoint",
+                     "sleep_after_idle", "sleep_level", "min_awake", "uvicorn_log_level")
 SHARED_FLAGS = ("model", "tokenizer", "chat_template", "block_size")  # given to the router and every replica
 
 

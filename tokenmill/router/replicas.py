@@ -10,6 +10,15 @@ check it also reads the replica's own `vllm:num_requests_running` and `vllm:num_
 work from other clients and routers. A replica's load is the router's count plus whatever the replica reported
 beyond the router's count at that moment.
 
+Roles (disaggregated serving, --prefill and --decode): a replica is a prefill or a decode instance, and each
+request asks for the routable replicas of the role it needs.
+
+Sleep (--sleep-after-idle, tokenmill/router/sleep.py): a replica the router put to sleep stays admitted (a
+request to it waits for its wake) while it answers; a health check that it fails with an HTTP answer (a replica
+may say it is not ready while asleep) does not eject it, and its sleep is confirmed by GET /is_sleeping. Asleep,
+it weighs one request more in its load, so that the policies wake it when the awake replicas are busier, not on a
+tie with an idle one.
+
 Models: with each health check the router also reads the replica's /v1/models, the names it serves (its base
 model's and the LoRA adapters loaded on it, those with a `parent`): a request goes to the replicas that serve its
 `model` (tokenmill/router/proxy.py).
@@ -41,10 +50,14 @@ class Replica:
     in_flight: int = 0  # requests the router has sent and not yet seen end
     external_load: int = 0  # requests running or waiting on the replica that the router did not send (last poll)
     models: dict[str, bool] | None = None  # served model name → is a LoRA adapter (its last /v1/models); None: unread
+    role: str | None = None  # "prefill" or "decode" when disaggregated; None: a --backend replica, which does both
+    asleep: bool = False  # the router sent it /sleep (or found it asleep) and has not woken it since
+    transition: asyncio.Task | None = None  # its /sleep or /wake_up in flight (tokenmill/router/sleep.py)
+    last_active: float = field(default_factory=time.monotonic)  # when a request last started or ended on it
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.external_load
+        return self.in_flight + self.external_load + self.asleep
 
     @property
     def name(self) -> str:
@@ -70,9 +83,10 @@ class ReplicaSet:
     check_interval_s: float
     on_change: list = field(default_factory=list)  # callbacks(replica) when health flips, for metrics
 
-    def routable(self) -> list[Replica]:
+    def routable(self, role: str | None = None) -> list[Replica]:
+        """The admitted replicas not cooling down; of `role` only, if given."""
         now = time.monotonic()
-        return [r for r in self.replicas if r.routable(now)]
+        return [r for r in self.replicas if r.routable(now) and (role is None or r.role == role)]
 
     def eject(self, replica: Replica, reason: str) -> None:
         if replica.healthy:
@@ -90,12 +104,15 @@ class ReplicaSet:
         logger.info("%s answered 503: no requests for %.1f s", replica.name, seconds)
 
     async def check(self, replica: Replica) -> None:
+        answered = False
         try:
             status, _, _ = await self.client.get(replica.url + "/health/ready", self.check_interval_s * 2)
-            ok = status == 200
+            ok, answered = status == 200, True
             reason = f"/health/ready answered {status}"
         except TRANSPORT_ERRORS as e:
             ok, reason = False, f"/health/ready failed: {type(e).__name__}"
+        if not ok and answered and replica.asleep:
+            ok = True  # not ready because asleep: admitted all the same, its sleep checked by /is_sleeping (sleep.py)
         if ok and not replica.healthy:
             logger.info("admitting %s", replica.name)
             replica.healthy = True

@@ -86,9 +86,10 @@ class ResumableStream:
 
     # ---------------- what goes upstream ----------------
 
-    def upstream_body(self) -> bytes:
+    def upstream_body(self, extra: dict | None = None) -> bytes:
+        """The request for the first replica; `extra` fields added (a decode instance's kv_transfer_params)."""
         stream_options = {**(self.body.get("stream_options") or {}), "include_usage": True}
-        return _json_encode({**self.body, "return_token_ids": True, "stream_options": stream_options})
+        return _json_encode({**self.body, **(extra or {}), "return_token_ids": True, "stream_options": stream_options})
 
     def remaining_tokens(self) -> int | None:
         if self.route == "chat":
