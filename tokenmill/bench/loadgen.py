@@ -112,7 +112,7 @@ def level_line(engine: str, level: dict) -> str:
             f"{level['output_tok_per_s']:.1f} out tok/s, TTFT p50/p99 {ms(level['ttft_ms'], 'p50')}/"
             f"{ms(level['ttft_ms'], 'p99')} ms, ITL p50/p99 {ms(level['itl_ms'], 'p50')}/{ms(level['itl_ms'], 'p99')}"
             f" ms, goodput {level['request_goodput']:.2f} req/s, {level['goodput_tok_per_s']:.1f} tok/s "
-            f"({level['goodput_req_pct']:.0f}% of requests good), "
+            f"({level['goodput_req_pct']:.1f}% of requests good), "
             f"SLO {'met' if level['meets_slo'] else 'missed'}, client CPU {level['client_cpu_pct']:.1f}%"
             + "".join(f", {tag} ({level[f'{tag}_completed']} ok) TTFT p99 {ms(level[f'{tag}_ttft_ms'], 'p99')} ms"
                       f" ITL p99 {ms(level[f'{tag}_itl_ms'], 'p99')} ms {level[f'{tag}_goodput_req_pct']:.0f}% good"
@@ -182,7 +182,7 @@ def benchmark_endpoint(name: str | None, base_url: str, args, pool: datasets.Wor
         print(level_line(engine, level), flush=True)
         index += 1
         if args.request_rate and index < len(plan) and metrics.rate_sweep_should_stop(level, objective):
-            print(f"[{engine}] past the knee: {level['goodput_req_pct']:.0f}% of requests within --goodput at "
+            print(f"[{engine}] past the knee: {level['goodput_req_pct']:.1f}% of requests within --goodput at "
                   f"rate {value:g} (< {objective.attainment_pct:g}%); rates {plan[index:]} not run", flush=True)
             plan = plan[:index]
             break
