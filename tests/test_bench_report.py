@@ -7,7 +7,7 @@ import os
 import re
 import statistics
 
-from tokenmill.bench.report import CSV_COLUMNS, format_comparison, format_table, write_report
+from tokenmill.bench.report import CSV_COLUMNS, format_comparison, format_table, goodput_summary, write_report
 
 SLO = {"ttft_p99_ms": 2000.0, "itl_p50_ms": 100.0}
 
@@ -126,3 +126,39 @@ def test_request_rate_mode(tmp_path):
     assert "request rate (req/s)" in format_table(run) and "1.5" in format_table(run)
     with open(written["results.csv"], newline="") as f:
         assert [r["request_rate"] for r in csv.DictReader(f)] == ["0.5", "1.5", "3.0", "6.0"]
+
+
+def test_goodput_rate_run(tmp_path):
+    """A --request-rate run with --goodput and long prompts mixed in: goodput req/s and attainment per level, the
+    classes' columns, and the run's goodput as one figure in the table, the CSV and the HTML."""
+    run = _run("a", 1.0)
+    run.update(mode="request_rate", concurrency_sweep=[0.5, 1.0, 1.5], slo={}, goodput={"ttft": 2000.0, "tpot": 60.0},
+               goodput_from="--goodput", goodput_attainment_pct=90.0, goodput_request_rate=1.0)
+    run["results"] = run["results"][:3]
+    for lv, rate, pct in zip(run["results"], run["concurrency_sweep"], (100.0, 92.5, 71.0)):
+        lv.update(concurrency=None, request_rate=rate, goodput_req_pct=pct, meets_slo=pct >= 90,
+                  request_goodput=rate * pct / 100, classes=["long", "short"],
+                  short_itl_ms=_stats(30.0 * rate), long_ttft_ms=_stats(900.0 * rate),
+                  short_goodput_req_pct=pct, long_goodput_req_pct=pct - 20)
+    run["results_at_knee"] = run["results"][1]
+    assert goodput_summary(run) == "goodput: 1 req/s (the highest rate with >= 90% of requests within --goodput " \
+                                   "ttft:2000 tpot:60)"
+    table = format_table(run)
+    header = table.splitlines()[1]
+    assert "goodput req/s" in header and "SLO attained %" in header and "short ITL p99" in header \
+        and "long TTFT p99" in header
+    # rate 1: short ITL p99 90 ms, short attained 92.5%, long TTFT p99 2700 ms, long attained 72.5%
+    assert table.splitlines()[3].split()[-4:] == ["90.0", "92.5", "2700.0", "72.5"]
+    written = write_report(str(tmp_path), [run])
+    with open(written["results.csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["short_itl_p99_ms"] for r in rows] == ["45.0", "90.0", "135.0"]
+    assert rows[1]["long_ttft_p50_ms"] == "900.0" and rows[2]["request_goodput"] == str(1.5 * 0.71)
+    with open(written["report.html"], encoding="utf-8") as f:
+        page = f.read()
+    assert "goodput: 1 req/s" in page and "ttft \u2264 2000 ms and tpot \u2264 60 ms (from --goodput)" in page
+
+    run["goodput_request_rate"] = None
+    assert goodput_summary(run).startswith("goodput: under 0.5 req/s (no rate tried had 90% of requests")
+    assert goodput_summary(_run("b", 1.0)) is None  # concurrency mode: the knee, not a goodput rate
+    assert "goodput" not in format_comparison([_run("b", 1.0), _run("c", 1.0)]).split("knee:")[1]

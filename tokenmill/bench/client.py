@@ -96,7 +96,7 @@ class Endpoint:
                 await asyncio.sleep(session.think_time_s)
             history += turn.text
             record, answer = await stream_completion(client, self.url, self.body(history, turn.output_len))
-            record.turn = i
+            record.turn, record.tag = i, turn.tag
             if i:  # behind a router: did this turn land where the conversation's previous turn ran?
                 prev = records_of_session[-1].replica
                 record.same_replica = None if prev is None or record.replica is None else prev == record.replica

@@ -21,6 +21,7 @@ class Turn:
     text: str  # the new user text of this turn
     input_len: int  # tokens of that text (a later turn's prompt also carries the history)
     output_len: int
+    tag: str | None = None  # its class in a mixed workload ('short' or 'long'), reported apart
 
 
 @dataclass
@@ -62,12 +63,24 @@ def sample_len(rng: random.Random, mean: int, stddev: float) -> int:
 
 
 def random_sessions(pool: WordPool, num: int, input_len: int, input_std: float, output_len: int,
-                    output_std: float, seed: int) -> list[Session]:
+                    output_std: float, seed: int, *, long_share: float = 0.0, long_input_len: int = 0,
+                    long_output_len: int = 0) -> list[Session]:
+    """num single-turn requests of random words. With long_share, that share of them (rounded, at positions drawn
+    from the seed) are long prompts: long_input_len tokens in, long_output_len out, spread as much relative to
+    their mean as the short ones (input_std / input_len), as RAG, agents and pasted documents mix into chat.
+    Then every request is tagged 'short' or 'long', and the levels report each class apart."""
     rng = random.Random(seed)
+    long_at = set(rng.sample(range(num), round(num * long_share))) if long_share else set()
     sessions = []
-    for _ in range(num):
-        n_in = sample_len(rng, input_len, input_std)
-        sessions.append(Session([Turn(pool.text(n_in, rng), n_in, sample_len(rng, output_len, output_std))]))
+    for i in range(num):
+        long = i in long_at
+        n_in = (sample_len(rng, long_input_len, input_std * long_input_len / input_len) if long
+                else sample_len(rng, input_len, input_std))
+        text = pool.text(n_in, rng)
+        n_out = (sample_len(rng, long_output_len, output_std * long_output_len / output_len) if long
+                 else sample_len(rng, output_len, output_std))
+        tag = ("long" if long else "short") if long_share else None
+        sessions.append(Session([Turn(text, n_in, n_out, tag)]))
     return sessions
 
 
@@ -142,7 +155,8 @@ def build_sessions(args, pool: WordPool, num: int, seed: int) -> list[Session]:
     """The workload of one level (num sessions) from the CLI flags."""
     if args.dataset == "random":
         return random_sessions(pool, num, args.input_len, args.input_len_stddev, args.output_len,
-                               args.output_len_stddev, seed)
+                               args.output_len_stddev, seed, long_share=args.long_prompt_share,
+                               long_input_len=args.long_input_len, long_output_len=args.long_output_len)
     if args.dataset == "prefix":
         per_group = max(1, -(-num // args.prefix_groups))
         return prefix_sessions(pool, args.prefix_groups, per_group, args.prefix_len, args.input_len,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import decimal
 import os
 import random
 import time
@@ -58,7 +59,33 @@ async def run_open_loop(endpoint: Endpoint, sessions: list[datasets.Session], ra
         return records, time.perf_counter() - start
 
 
-def run_level(endpoint: Endpoint, sessions, slo, *, concurrency=None, rate=None, args, seed, desc) -> dict:
+def parse_levels(text: str, kind: type, flag: str) -> list:
+    """'0.5:6:0.5,7,8' → [0.5, 1.0, ..., 6.0, 7.0, 8.0]: comma-separated levels, where START:STOP:STEP stands for
+    START, START+STEP, ... up to STOP inclusive (decimal steps, so 0.1 steps land on 0.3, not 0.30000000000000004).
+    Every level must be positive, and for --concurrency whole."""
+    levels = []
+    for part in text.split(","):
+        try:
+            bounds = [decimal.Decimal(x.strip()) for x in part.split(":")]
+        except decimal.InvalidOperation:
+            bounds = []
+        if not all(x.is_finite() for x in bounds):
+            bounds = []
+        if len(bounds) == 3 and bounds[2] > 0 and bounds[0] <= bounds[1]:
+            start, stop, step = bounds
+            values = [start + i * step for i in range(int((stop - start) / step) + 1)]
+        elif len(bounds) == 1:
+            values = bounds
+        else:
+            raise ValueError(f"{flag}: bad level {part!r}: expected a number or START:STOP:STEP")
+        for v in values:
+            if v <= 0 or (kind is int and v != v.to_integral_value()):
+                raise ValueError(f"{flag}: level {v} must be a positive {'whole ' if kind is int else ''}number")
+            levels.append(kind(v))
+    return levels
+
+
+def run_level(endpoint: Endpoint, sessions, objective, *, concurrency=None, rate=None, args, seed, desc) -> dict:
     from tqdm import tqdm
     total = sum(len(s.turns) for s in sessions)
     with tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=1.0) as bar:
@@ -70,7 +97,7 @@ def run_level(endpoint: Endpoint, sessions, slo, *, concurrency=None, rate=None,
                                  args.request_timeout, seed, lambda: bar.update())
         records, duration = asyncio.run(coro)
         cpu_pct = 100.0 * (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-    level = metrics.level_metrics(records, duration, slo, concurrency=concurrency, request_rate=rate)
+    level = metrics.level_metrics(records, duration, objective, concurrency=concurrency, request_rate=rate)
     level["client_cpu_pct"] = cpu_pct
     return level
 
@@ -84,8 +111,12 @@ def level_line(engine: str, level: dict) -> str:
     return (f"[{engine} {where}] {level['completed']}/{level['num_requests']} ok, "
             f"{level['output_tok_per_s']:.1f} out tok/s, TTFT p50/p99 {ms(level['ttft_ms'], 'p50')}/"
             f"{ms(level['ttft_ms'], 'p99')} ms, ITL p50/p99 {ms(level['itl_ms'], 'p50')}/{ms(level['itl_ms'], 'p99')}"
-            f" ms, goodput {level['goodput_tok_per_s']:.1f} tok/s ({level['goodput_req_pct']:.0f}%), "
+            f" ms, goodput {level['request_goodput']:.2f} req/s, {level['goodput_tok_per_s']:.1f} tok/s "
+            f"({level['goodput_req_pct']:.1f}% of requests good), "
             f"SLO {'met' if level['meets_slo'] else 'missed'}, client CPU {level['client_cpu_pct']:.1f}%"
+            + "".join(f", {tag} ({level[f'{tag}_completed']} ok) TTFT p99 {ms(level[f'{tag}_ttft_ms'], 'p99')} ms"
+                      f" ITL p99 {ms(level[f'{tag}_itl_ms'], 'p99')} ms {level[f'{tag}_goodput_req_pct']:.0f}% good"
+                      for tag in level.get("classes", ()))
             + "".join(f", {label} TTFT p50 {ms(level[key], 'p50')} ms" for key, label in (
                 ("ttft_later_turns_ms", "turns>=2"), ("ttft_same_replica_ms", "same-replica"),
                 ("ttft_other_replica_ms", "other-replica")) if key in level))
@@ -101,6 +132,9 @@ def dataset_info(args) -> dict:
         info["extra_body"] = args.extra_body
     if args.lora_modules:
         info["lora_modules"] = args.lora_modules
+    if args.long_prompt_share:
+        info.update(long_prompt_share=args.long_prompt_share, long_input_len=args.long_input_len,
+                    long_output_len=args.long_output_len)
     if args.dataset == "prefix":
         info.update(prefix_groups=args.prefix_groups, prefix_len=args.prefix_len)
     elif args.dataset == "multiturn":
@@ -113,7 +147,8 @@ def dataset_info(args) -> dict:
     return info
 
 
-def benchmark_endpoint(name: str | None, base_url: str, args, pool: datasets.WordPool, slo: dict) -> dict:
+def benchmark_endpoint(name: str | None, base_url: str, args, pool: datasets.WordPool,
+                       objective: metrics.Objective) -> dict:
     info = endpoint_info(base_url, args.model, args.api_key)
     endpoint = Endpoint(base_url, args, info["model"])
     engine = name or args.engine_name or info["owner"]
@@ -121,14 +156,14 @@ def benchmark_endpoint(name: str | None, base_url: str, args, pool: datasets.Wor
     if args.warmup:
         warm = datasets.random_sessions(pool, args.warmup, args.input_len, 0, min(args.output_len, 16), 0,
                                         args.seed + 10_000)
-        first = int(args.concurrency.split(",")[0]) if not args.request_rate else 4
+        first = parse_levels(args.concurrency, int, "--concurrency")[0] if not args.request_rate else 4
         asyncio.run(run_closed_loop(endpoint, warm, max(1, min(first, args.warmup)), args.request_timeout,
                                     lambda: None))
     levels: list[dict] = []
     if args.request_rate:
-        plan = [float(r) for r in args.request_rate.split(",")]
+        plan = parse_levels(args.request_rate, float, "--request-rate")
     else:
-        plan = [int(c) for c in args.concurrency.split(",")]
+        plan = parse_levels(args.concurrency, int, "--concurrency")
     index = 0
     while index < len(plan):
         value = plan[index]
@@ -138,23 +173,33 @@ def benchmark_endpoint(name: str | None, base_url: str, args, pool: datasets.Wor
             count = args.requests_per_stream * int(value)
         sessions = datasets.build_sessions(args, pool, max(count, 1), args.seed + index)
         if args.request_rate:
-            level = run_level(endpoint, sessions, slo, rate=value, args=args, seed=args.seed + index,
+            level = run_level(endpoint, sessions, objective, rate=value, args=args, seed=args.seed + index,
                               desc=f"{engine} rate={value:g}")
         else:
-            level = run_level(endpoint, sessions, slo, concurrency=value, args=args, seed=args.seed + index,
+            level = run_level(endpoint, sessions, objective, concurrency=value, args=args, seed=args.seed + index,
                               desc=f"{engine} c={value}")
         levels.append(level)
         print(level_line(engine, level), flush=True)
         index += 1
+        if args.request_rate and index < len(plan) and metrics.rate_sweep_should_stop(level, objective):
+            print(f"[{engine}] past the knee: {level['goodput_req_pct']:.1f}% of requests within --goodput at "
+                  f"rate {value:g} (< {objective.attainment_pct:g}%); rates {plan[index:]} not run", flush=True)
+            plan = plan[:index]
+            break
         if args.sweep and not args.request_rate and index == len(plan):
             if not metrics.sweep_should_stop(levels) and 2 * value <= args.max_concurrency:
                 plan.append(2 * value)
     return {
         "harness": "tokenmill-bench", "harness_version": tokenmill.__version__,
         "model": info["model"], "precision": args.precision, "hardware": hardware(),
-        "dataset": dataset_info(args), "slo": slo,
+        "dataset": dataset_info(args), "slo": objective.slo,
+        # the per-request bounds (ms) that make a request good: --goodput's, or those --slo implies
+        "goodput": objective.bounds, "goodput_from": "--goodput" if objective.attainment_pct is not None else "--slo",
+        "goodput_attainment_pct": objective.attainment_pct,
         "engine": engine, "engine_version": info["version"], "base_url": base_url,
         "mode": "request_rate" if args.request_rate else "concurrency",
         "concurrency_sweep": plan, "results": levels, "results_at_knee": metrics.find_knee(levels),
+        "goodput_request_rate": (metrics.goodput_rate(levels)
+                                 if args.request_rate and objective.attainment_pct is not None else None),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -13,11 +13,15 @@ import os
 import re
 
 METRICS = ("ttft", "itl", "tpot", "e2e")
+CLASSES = ("short", "long")  # the request classes of --long-prompt-share
 STATS = ("mean", "p50", "p90", "p95", "p99")
 CSV_COLUMNS = (["engine", "concurrency", "request_rate", "num_requests", "completed", "errors", "duration_s",
                 "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
                + [f"{m}_{s}_ms" for m in METRICS for s in STATS]
-               + ["goodput_tok_per_s", "goodput_req_pct", "meets_slo", "client_cpu_pct"])
+               + ["request_goodput", "goodput_tok_per_s", "goodput_req_pct", "meets_slo", "client_cpu_pct"]
+               # a workload that mixes long prompts into chat: each class apart (empty otherwise)
+               + [f"{c}_{m}_{s}_ms" for c in CLASSES for m in ("ttft", "itl") for s in ("p50", "p99")]
+               + [f"{c}_goodput_req_pct" for c in CLASSES])
 PLOTS = ("pareto", "ttft", "itl", "goodput")
 NONE = "\u2014"  # em dash: a level with no completed requests has no percentiles
 
@@ -59,9 +63,13 @@ _LEVEL_COLUMNS = [
     ("req/s", "requests_per_s", None, 2), ("out tok/s", "output_tok_per_s", None, 1),
     ("TTFT p50", "ttft", "p50", 1), ("TTFT p99", "ttft", "p99", 1), ("ITL p50", "itl", "p50", 1),
     ("ITL p99", "itl", "p99", 1), ("TPOT p50", "tpot", "p50", 1), ("E2E p99", "e2e", "p99", 1),
-    ("goodput tok/s", "goodput_tok_per_s", None, 1), ("goodput %", "goodput_req_pct", None, 1),
+    ("goodput req/s", "request_goodput", None, 2), ("goodput tok/s", "goodput_tok_per_s", None, 1),
+    ("SLO attained %", "goodput_req_pct", None, 1),
     ("meets SLO", "meets_slo", None, 0), ("errors", "errors", None, 0), ("client CPU %", "client_cpu_pct", None, 1),
 ]
+# Shown when the levels have request classes: what long prompts do to the short requests' gaps, and their own wait.
+_CLASS_COLUMNS = [("short ITL p99", "short_itl", "p99", 1), ("short attained %", "short_goodput_req_pct", None, 1),
+                  ("long TTFT p99", "long_ttft", "p99", 1), ("long attained %", "long_goodput_req_pct", None, 1)]
 _COMPARE_COLUMNS = [("out tok/s", "output_tok_per_s", None), ("TTFT p99", "ttft", "p99"),
                     ("ITL p50", "itl", "p50"), ("goodput tok/s", "goodput_tok_per_s", None)]
 
@@ -69,9 +77,10 @@ _COMPARE_COLUMNS = [("out tok/s", "output_tok_per_s", None), ("TTFT p99", "ttft"
 def _level_table(run: dict) -> tuple[list[str], list[list[str]], list[bool]]:
     """Headers, cell strings and a per-row 'is the knee' flag; latencies are in ms."""
     x, knee = _x_key(run), _knee_x(run)
-    headers = [_x_label(x)] + [c[0] for c in _LEVEL_COLUMNS]
+    columns = _LEVEL_COLUMNS + (_CLASS_COLUMNS if any(lv.get("classes") for lv in run["results"]) else [])
+    headers = [_x_label(x)] + [c[0] for c in columns]
     rows = [[_fmt_x(lv.get(x))] + [_fmt(_value(lv, key, stat), digits)
-                                    for _, key, stat, digits in _LEVEL_COLUMNS] for lv in run["results"]]
+                                    for _, key, stat, digits in columns] for lv in run["results"]]
     flags = [knee is not None and lv.get(x) == knee for lv in run["results"]]
     return headers, rows, flags
 
@@ -91,6 +100,19 @@ def _comparison_table(runs: list[dict]) -> tuple[list[str], list[list[str]], lis
         rows.append(row)
         flags.append(flag)
     return headers, rows, flags
+
+
+def goodput_summary(run: dict) -> str | None:
+    """The run's goodput as one figure (a --request-rate run with --goodput), else None."""
+    if run.get("mode") != "request_rate" or run.get("goodput_attainment_pct") is None:
+        return None
+    within = (f"{run['goodput_attainment_pct']:g}% of requests within --goodput "
+              + " ".join(f"{k}:{v:g}" for k, v in run["goodput"].items()))
+    rate = run.get("goodput_request_rate")
+    if rate is None:
+        rates = [lv["request_rate"] for lv in run["results"]]
+        return f"goodput: under {min(rates):g} req/s (no rate tried had {within})" if rates else None
+    return f"goodput: {rate:g} req/s (the highest rate with >= {within})"
 
 
 def _knee_summary(runs: list[dict]) -> list[str]:
@@ -114,8 +136,9 @@ def format_table(run: dict) -> str:
 
 def format_comparison(runs: list[dict]) -> str:
     headers, rows, _ = _comparison_table(runs)
+    goodput = [f"{r['engine']}: {line}" for r in runs if (line := goodput_summary(r)) is not None]
     return ("side by side (latencies in ms)\n" + _text_table(headers, rows, [""] * len(rows))
-            + "\nknee: " + "; ".join(_knee_summary(runs)))
+            + "\nknee: " + "; ".join(_knee_summary(runs)) + "".join(f"\n{g}" for g in goodput))
 
 
 def _safe_name(name: str) -> str:
@@ -168,6 +191,9 @@ def _plot(path: str, runs: list[dict], kind: str) -> None:
             if prefix and key.startswith(prefix) and val is not None:
                 name = key[:-3].replace("_", " ").upper().replace(" P", " p")
                 ax.axhline(val, color="gray", linestyle="--", label=f"SLO {name} {val:g} ms")
+        bound = (runs[0].get("goodput") or {}).get("ttft") if runs[0].get("goodput_from") == "--goodput" else None
+        if kind == "ttft" and bound is not None:
+            ax.axhline(bound, color="gray", linestyle="-.", label=f"--goodput TTFT {bound:g} ms per request")
         ax.set_xlabel(_x_label(x_key))
         ax.set_ylabel(ylabel)
         ax.set_title(f"{ylabel.split(' (')[0]} vs {_x_label(x_key)} (\u2605 = knee)")
@@ -199,6 +225,8 @@ def _html(runs: list[dict], pngs: dict[str, str]) -> str:
             ("hardware", ", ".join(f"{k}: {_fmt(v)}" for k, v in (first.get("hardware") or {}).items())),
             ("dataset", ", ".join(f"{k}: {_fmt(v)}" for k, v in (first.get("dataset") or {}).items())),
             ("SLO", ", ".join(f"{k}: {_fmt(v)}" for k, v in (first.get("slo") or {}).items()) or NONE),
+            ("good request", " and ".join(f"{k} \u2264 {v:g} ms" for k, v in (first.get("goodput") or {}).items())
+             + f" (from {first.get('goodput_from')})" if first.get("goodput") else NONE),
             ("harness", f"{first.get('harness')} {first.get('harness_version')}"),
             ("date", first.get("date") or datetime.datetime.now().astimezone().isoformat(timespec="seconds"))]
     body = ["<h1>tokenmill bench serve: " + html.escape(" vs ".join(r["engine"] for r in runs)) + "</h1>",
@@ -212,6 +240,8 @@ def _html(runs: list[dict], pngs: dict[str, str]) -> str:
                  "<p>" + html.escape(f"{r.get('base_url')}, mode {r.get('mode')}, sweep "
                                      f"{r.get('concurrency_sweep')}, knee {_fmt_x(_knee_x(r))}") + "</p>",
                  _html_table(*_level_table(r))]
+        if (line := goodput_summary(r)) is not None:
+            body.append(f"<p><b>{html.escape(line)}</b></p>")
     for name, path in pngs.items():
         with open(path, "rb") as f:
             data = base64.b64encode(f.read()).decode("ascii")
@@ -254,6 +284,8 @@ def write_report(out_dir: str, runs: list[dict]) -> dict[str, str]:
                 row = {k: lv.get(k) for k in CSV_COLUMNS}
                 row["engine"] = r["engine"]
                 row.update({f"{m}_{s}_ms": _value(lv, m, s) for m in METRICS for s in STATS})
+                row.update({f"{c}_{m}_{s}_ms": _value(lv, f"{c}_{m}", s)
+                            for c in CLASSES for m in ("ttft", "itl") for s in ("p50", "p99")})
                 w.writerow(row)
 
     pngs = {f"{kind}.png": os.path.join(out_dir, f"{kind}.png") for kind in PLOTS}

@@ -16,10 +16,11 @@ import os
 from tokenmill import envs
 from tokenmill.bench import datasets, metrics, report
 from tokenmill.bench.launch import launch_server, stop_server
-from tokenmill.bench.loadgen import benchmark_endpoint
+from tokenmill.bench.loadgen import benchmark_endpoint, parse_levels
 
 
 DEFAULT_SLO = "ttft_p99_ms=2000,itl_p50_ms=100"
+LONG_INPUT_LEN, LONG_OUTPUT_LEN = 1600, 32  # --long-prompt-share's defaults: a pasted document, a short answer
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--input-len-stddev", type=float, default=0)
     parser.add_argument("--output-len-stddev", type=float, default=0)
+    parser.add_argument("--long-prompt-share", type=float, default=0.0,
+                        help="random: this share of the requests (e.g. 0.125, one in 8) are long prompts, placed at "
+                             "random (seeded) among the others; each class is also reported apart")
+    parser.add_argument("--long-input-len", type=int, default=None,
+                        help=f"random: a long prompt's tokens (default {LONG_INPUT_LEN}; spread like the short ones "
+                             "relative to the mean)")
+    parser.add_argument("--long-output-len", type=int, default=None,
+                        help=f"random: a long prompt's answer tokens (default {LONG_OUTPUT_LEN})")
     parser.add_argument("--sharegpt-output-len", type=int, default=None, help="override the answers' lengths")
     parser.add_argument("--prefix-groups", type=int, default=4)
     parser.add_argument("--prefix-len", type=int, default=512, help="shared system-prompt tokens per group")
@@ -55,10 +64,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=512, help="sweep cap; in rate mode, a cap on "
                         "requests in flight")
     parser.add_argument("--request-rate", default=None,
-                        help="open-loop mode: requests/s, comma-separated levels (instead of --concurrency)")
+                        help="open-loop mode: requests/s, comma-separated levels (instead of --concurrency); "
+                             "START:STOP:STEP for a range, e.g. 0.5:6:0.5,7,8. With --goodput the levels stop "
+                             "after the first rate with under 90%% of requests good, and the run's goodput is the "
+                             "highest rate with at least 90%%")
     parser.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
     parser.add_argument("--warmup", type=int, default=10, help="requests run and discarded before the first level")
-    parser.add_argument("--slo", default=DEFAULT_SLO, help="e.g. ttft_p99_ms=2000,itl_p50_ms=100")
+    parser.add_argument("--slo", default=None,
+                        help=f"a level's SLO as percentiles over all its requests (default {DEFAULT_SLO}); its "
+                             "limits also bound each request for the per-request goodput unless --goodput is given")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                        help="vLLM's: per-request bounds in ms, any of ttft, tpot, e2el (e.g. ttft:2000 tpot:60); a "
+                             "request is good when within all of them, a level meets the SLO when >= 90%% of its "
+                             "requests are good (DistServe). Replaces --slo")
     parser.add_argument("--ignore-eos", action="store_true", help="pin the output length")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--extra-body", type=json.loads, default=None,
@@ -77,7 +95,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if extra and not args.launch:
         raise SystemExit(f"unrecognised arguments: {' '.join(extra)} (engine flags need --launch)")
-    slo = metrics.parse_slo(args.slo)
+    objective = objective_from_args(args)
+    check_dataset_args(args)
+    for flag, text, kind in (("--request-rate", args.request_rate, float), ("--concurrency", args.concurrency, int)):
+        if text:
+            try:
+                parse_levels(text, kind, flag)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
     from tokenmill.models.paths import resolve_model_path
     from tokenmill.tokenizer import load_tokenizer
     tok = args.tokenizer
@@ -91,7 +116,7 @@ def main(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     server = launch_server(args.base_url, extra or []) if args.launch else None
     try:
         for name, url in targets:
-            runs.append(benchmark_endpoint(name, url, args, pool, slo))
+            runs.append(benchmark_endpoint(name, url, args, pool, objective))
     finally:
         if server is not None:
             stop_server(server)
@@ -99,9 +124,44 @@ def main(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if len(runs) > 1:
         print(report.format_comparison(runs))
     for run in runs:
+        print(report.format_table(run))
         knee = run["results_at_knee"]
         where = (f"concurrency {knee['concurrency']}" if knee and knee["concurrency"] is not None
                  else f"rate {knee['request_rate']}" if knee else "none (no level meets the SLO)")
         print(f"{run['engine']}: knee at {where}")
+        if (line := report.goodput_summary(run)) is not None:
+            print(f"{run['engine']}: {line}")
     print(f"wrote {', '.join(sorted(written.values()))}")
     return 0
+
+
+def objective_from_args(args: argparse.Namespace) -> metrics.Objective:
+    """--goodput (vLLM's per-request bounds, DistServe's 90% attainment) or --slo (percentiles over a level, whose
+    limits bound each request too); one or the other, since each says when a level is good enough."""
+    try:
+        if args.goodput:
+            if args.slo is not None:
+                raise ValueError("--slo and --goodput both state the SLO: give one (--goodput: per-request bounds "
+                                 "and 90% of requests within them; --slo: percentiles over each level)")
+            return metrics.Objective.from_goodput(metrics.parse_goodput(args.goodput))
+        return metrics.Objective.from_slo(metrics.parse_slo(DEFAULT_SLO if args.slo is None else args.slo))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def check_dataset_args(args: argparse.Namespace) -> None:
+    """The long-prompt mix is a random-dataset option: refused elsewhere, and its lengths without a share."""
+    if not 0 <= args.long_prompt_share < 1:
+        raise SystemExit(f"--long-prompt-share must be in [0, 1), not {args.long_prompt_share}")
+    given = [f for f, v in (("--long-input-len", args.long_input_len), ("--long-output-len", args.long_output_len))
+             if v is not None]
+    if not args.long_prompt_share:
+        if given:
+            raise SystemExit(f"{', '.join(given)} need --long-prompt-share")
+        return
+    if args.dataset != "random":
+        raise SystemExit(f"--long-prompt-share mixes long prompts into --dataset random, not {args.dataset}")
+    args.long_input_len = LONG_INPUT_LEN if args.long_input_len is None else args.long_input_len
+    args.long_output_len = LONG_OUTPUT_LEN if args.long_output_len is None else args.long_output_len
+    if args.long_input_len < 1 or args.long_output_len < 1:
+        raise SystemExit("--long-input-len and --long-output-len must be at least 1")
