@@ -374,6 +374,17 @@ def test_dockerfiles_pass_hadolint_and_build_what_the_image_needs():
             assert "TOKENMILL_CACHE_DIR=/opt/tokenmill/cache" in image.env(stage)
             assert "VIRTUAL_ENV=/opt/tokenmill/venv" in image.env(stage)
     assert "--device" in dockerfile("Dockerfile.cuda").entrypoint
+    # `pip install .` in the image carries every file the package reads besides its modules: the kernel sources
+    # that the build step compiles among them
+    import fnmatch
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["tokenmill"]
+    package = os.path.join(ROOT, "tokenmill")
+    data = [os.path.relpath(os.path.join(d, name), package) for d, _, names in os.walk(package) for name in names
+            if not name.endswith((".py", ".pyc"))]
+    assert any(path.startswith("kernels/csrc/") for path in data)
+    assert [p for p in data if not any(fnmatch.fnmatch(p, pattern) for pattern in patterns)] == []
 
 
 # ---------------------------------------------------------------- alert rules and dashboard
