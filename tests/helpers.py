@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -159,6 +160,20 @@ class ValkeyServer:
 
     def stop(self) -> None:
         stop_process(self.proc, 10)
+
+
+def ensure_debian_package(binary: str, package: str) -> str:
+    """The test setup installs what the test needs from Debian (CI starts from a bare machine)."""
+    path = shutil.which(binary)
+    if path is None:
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
+            subprocess.run(install, env=env, capture_output=True, check=True)
+        path = shutil.which(binary)
+    assert path, f"{binary} (Debian package {package}) is needed"
+    return path
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:

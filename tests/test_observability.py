@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -15,25 +14,11 @@ import threading
 import httpx
 import pytest
 
-from helpers import MODEL, OtlpReceiver, RemoteServer, free_port, wait_until
+from helpers import MODEL, OtlpReceiver, RemoteServer, ensure_debian_package, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
 ARTIFACTS = os.environ.get("TOKENMILL_TEST_ARTIFACTS", os.path.join(os.path.dirname(__file__), "artifacts"))
-
-
-def ensure_debian_package(binary: str, package: str) -> str:
-    """The test setup installs what the test needs from Debian (CI starts from a bare machine)."""
-    path = shutil.which(binary)
-    if path is None:
-        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-            subprocess.run(install, env=env, capture_output=True, check=True)
-        path = shutil.which(binary)
-    assert path, f"{binary} (Debian package {package}) is needed"
-    return path
 
 
 @pytest.fixture(scope="module")
