@@ -281,3 +281,30 @@ def test_a_peer_of_another_layout_is_refused_and_the_prompt_recomputed(tiny_dir,
     finally:
         prefill.kv_sender.close()
         decode.offload.close()
+
+
+def test_aborts_leave_no_block_pinned_on_either_side(tiny_dir):
+    """A do_remote_decode request aborted mid-prefill pins nothing (vLLM's rule: only one that reached its length
+    limit hands its blocks over). A decode request aborted before it was scheduled tells the prefill engine it
+    needs none of them: the prefill engine frees them at once, not after the timeout."""
+    prompt = tiny_prompt(100, 3)
+    prefill = tiny_engine(tiny_dir, "kv_producer", max_num_batched_tokens=32)
+    decode = tiny_engine(tiny_dir, "kv_consumer")
+    try:
+        prefill.add_request("cut", prompt, SamplingParams(max_tokens=1, kv_transfer_params=KVTransferParams(
+            do_remote_decode=True)))
+        prefill.step()  # the first 32-token chunk
+        assert prefill.kv_cache.usage > 0
+        prefill.abort_request("cut")
+        assert prefill.kv_sender.num_pinned_requests == 0 and prefill.kv_cache.usage == 0
+        _, first = run_engine(prefill, "p", prompt, 1, KVTransferParams(do_remote_decode=True))
+        assert prefill.kv_sender.num_pinned_blocks == 6
+        decode.add_request("d", prompt, SamplingParams(max_tokens=4, kv_transfer_params=first.kv_transfer_params))
+        decode.abort_request("d")
+        wait_until(lambda: prefill.release_kv_pins() or prefill.kv_cache.usage == 0, 10,
+                   message="the prefill engine to free the blocks the aborted decode released")
+        assert prefill.kv_sender.num_pinned_requests == 0 and prefill.transfer_counters.pins_expired == 0
+        assert prefill.transfer_counters.blocks_sent == 0 and decode.kv_cache.usage == 0
+    finally:
+        prefill.kv_sender.close()
+        decode.offload.close()
