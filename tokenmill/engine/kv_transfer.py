@@ -57,9 +57,12 @@ class Fetch(msgspec.Struct, tag="fetch", array_like=True):
 
 
 class Reply(msgspec.Struct, array_like=True):
+    """The first frame of an answer; each entry (kv_blocks.pack of a block asked for, up to the first whose hash
+    differs) follows in a frame of its own, so that no encoder copies tens of MB (msgpack of a list of entries cost
+    as much as reading the blocks from the pool)."""
     error: str | None = None  # None: ok
     reason: str = ""  # for the counters: unknown (stale), engine, layout
-    entries: list[bytes] = []  # kv_blocks.pack of each block asked for, up to the first whose hash differs
+    entries: list = []  # not encoded: the frames after this one
 
 
 WireMessage = Hello | Fetch
@@ -200,7 +203,8 @@ class KVBlockServer:
             except Exception as e:  # noqa: BLE001 - one bad fetch must not stop the server
                 logger.exception("KV block server: a fetch failed")
                 reply = Reply(f"{type(e).__name__}: {e}", "server")
-            self._socket.send_multipart([peer, b"", encoder.encode(reply)])
+            entries, reply.entries = reply.entries, []
+            self._socket.send_multipart([peer, b"", encoder.encode(reply), *entries], copy=False)
         self._socket.close()
 
     def _hello(self, msg: Hello) -> Reply:
@@ -254,7 +258,7 @@ class KVBlockClient:
         self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Reply)
 
     def fetch(self, params: KVTransferParams, indices: list[int], block_hashes: list[bytes],
-              release: bool = True) -> list[bytes]:
+              release: bool = True) -> list[memoryview]:
         """The packed entries of these blocks of the remote request, in order, up to the first the prefill
         instance does not hold under that hash; raises TransferError."""
         peer = (params.remote_host, params.remote_port, params.remote_engine_id)
@@ -278,7 +282,9 @@ class KVBlockClient:
             sock.send(self._encoder.encode(msg))
             if not sock.poll(int(self.timeout * 1000)):
                 raise TransferError("timeout", f"{where} did not answer within {self.timeout:g} s")
-            reply = self._decoder.decode(sock.recv())
+            frames = sock.recv_multipart(copy=False)
+            reply = self._decoder.decode(frames[0].buffer)
+            reply.entries = [frame.buffer for frame in frames[1:]]  # read-only views of the frames, no copy
         except TransferError:
             self._drop(peer, sock)
             raise
