@@ -166,7 +166,7 @@ def test_blocks_no_decode_fetches_are_freed_after_the_timeout_and_stale_params_r
     (usage 0, counted). A decode request with those stale params recomputes: the single instance's tokens, a
     failure counted by reason, no block fetched."""
     prefill, decode = pd["pd-prefill"], pd["pd-decode"]
-    prompt = prompts[5]
+    prompt = prompts[7][2:]  # a chain no instance has seen: the decode instance must fetch all of it
     before = transfer(prefill)
     kv = ok(complete(prefill, prompt, 1, TO_PREFILL))["kv_transfer_params"]
     pinned = transfer(prefill)
@@ -180,7 +180,7 @@ def test_blocks_no_decode_fetches_are_freed_after_the_timeout_and_stale_params_r
     d1 = transfer(decode)
     assert tokens(out) == tokens(ok(complete(pd["default"], prompt)))
     assert d1.get("failed:unknown", 0) - d0.get("failed:unknown", 0) == 1
-    assert d1["fetched"] == d0["fetched"] and d1["external"] == d0["external"]
+    assert d1["fetched"] == d0["fetched"] and d1["external"] == d0["external"] and d1["skipped"] == d0["skipped"]
     wait_until(lambda: transfer(decode)["usage"] == 0, 10, message="the decode instance's KV usage back to 0")
 
 
@@ -189,7 +189,7 @@ def test_a_prefill_instance_killed_before_the_fetch_costs_a_recomputation(pd, pr
     times out (fetch_timeout), it recomputes the prompt (the single instance's tokens), counts the failure, and
     holds no block after (KV usage 0). Last in this module: it ends the prefill instance."""
     prefill, decode = pd["pd-prefill"], pd["pd-decode"]
-    prompt = prompts[6]
+    prompt = prompts[7][1:]  # a chain no instance has seen: the decode instance must fetch all of it
     kv = ok(complete(prefill, prompt, 1, TO_PREFILL))["kv_transfer_params"]
     prefill.mark_broken()
     prefill.engine_process().kill()
@@ -200,7 +200,7 @@ def test_a_prefill_instance_killed_before_the_fetch_costs_a_recomputation(pd, pr
     d1 = transfer(decode)
     assert tokens(out) == tokens(ok(complete(pd["default"], prompt)))
     assert d1.get("failed:timeout", 0) - d0.get("failed:timeout", 0) == 1
-    assert d1["fetched"] == d0["fetched"]
+    assert d1["fetched"] == d0["fetched"] and d1["skipped"] == d0["skipped"]
     wait_until(lambda: transfer(decode)["usage"] == 0, 10, message="the decode instance's KV usage back to 0")
 
 
