@@ -170,6 +170,7 @@ def test_dashboard_renders_live_charts_in_chromium(obs_server):
     assert re.fullmatch(r"p50 [\d.]+ / p99 [\d.]+ ms", text_of("ttft-value")), text_of("ttft-value")
     assert re.fullmatch(r"[\d.]+ computed, [\d.]+ pool, [\d.]+ tier", text_of("src-value")), text_of("src-value")
     assert text_of("tier-value") == "no tier"  # this server keeps no KV beyond its pool
+    assert text_of("pd-value") == "no TCPConnector"  # nor hands KV to other instances
     with open(shot, "rb") as f:
         png = f.read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000

@@ -236,6 +236,7 @@ CHECKED_AT_RUN_TIME = {
     "truncate_prompt_tokens",  # 0 leaves an empty prompt
     None,  # /invocations: a body of a shape this server's runner does not serve
     "length_penalty", "early_stopping",  # only with use_beam_search
+    "kv_transfer_params",  # the server's --kv-transfer-config role (none here), the remote fields do_remote_prefill needs
 }
 # With use_beam_search, the sampling fields beam search does not honour (tokenmill/server/serving_engine.py)
 REFUSED_WITH_BEAM_SEARCH = {"top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",

@@ -10,6 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from tokenmill import envs
 from tokenmill.json_flag import parse_json_flag
 from tokenmill.reasoning import ReasoningSpec, reasoning_spec
 
@@ -71,8 +72,13 @@ class KVEventsConfig:
         return parse_json_flag(cls, "--kv-events-config", text)
 
 
-# The connectors --kv-transfer-config may name: a store shared by replicas (engine/kv_store.py).
-KV_CONNECTORS = ("ValkeyConnector",)
+# The connectors --kv-transfer-config may name: a store shared by replicas (engine/kv_store.py), and blocks handed
+# from a prefill instance to a decode instance over TCP (engine/kv_transfer.py).
+KV_CONNECTORS = ("ValkeyConnector", "TCPConnector")
+# TCPConnector's kv_connector_extra_config: seconds a prefill instance keeps a finished request's blocks for the
+# decode instance (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, whose value is the default), and seconds a decode
+# instance waits for the prefill instance's answer before it recomputes
+TCP_CONNECTOR_EXTRA = {"abort_request_timeout": None, "fetch_timeout": 10.0}
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
@@ -107,6 +113,20 @@ class KVTransferConfig:
         if self.kv_load_failure_policy != "recompute":
             raise ValueError(f"{flag}: kv_load_failure_policy must be 'recompute': a block that fails to load is "
                              "computed, never a failed request")
+        if self.kv_connector == "TCPConnector":
+            extra = self.kv_connector_extra_config
+            unknown = set(extra) - set(TCP_CONNECTOR_EXTRA)
+            if unknown:
+                raise ValueError(f"{flag}: TCPConnector's kv_connector_extra_config takes {list(TCP_CONNECTOR_EXTRA)}, "
+                                 f"got {sorted(unknown)}")
+            for name in TCP_CONNECTOR_EXTRA:
+                value = extra.get(name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                          or not value > 0):
+                    raise ValueError(f"{flag}: kv_connector_extra_config.{name} must be a positive number of "
+                                     f"seconds, got {value!r}")
+            if not 0 <= self.kv_port < 65536:
+                raise ValueError(f"{flag}: kv_port must be in [0, 65535] (0: any free port), got {self.kv_port}")
         if self.kv_connector == "ValkeyConnector":
             extra = self.kv_connector_extra_config
             if set(extra) - {"url"} or not str(extra.get("url", "")).startswith(("redis://", "valkey://",
@@ -118,9 +138,37 @@ class KVTransferConfig:
     def url(self) -> str:
         return self.kv_connector_extra_config["url"]
 
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def extra(self, name: str) -> float:
+        """A TCPConnector setting: kv_connector_extra_config's, else its default (abort_request_timeout: vLLM's
+        VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s unset)."""
+        value = self.kv_connector_extra_config.get(name)
+        if value is None and name == "abort_request_timeout":
+            return envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+        return float(value if value is not None else TCP_CONNECTOR_EXTRA[name])
+
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
         return parse_json_flag(cls, "--kv-transfer-config", text)
+
+
+def kv_transfer_refusal(config: KVTransferConfig | None, kv) -> str | None:
+    """Why this instance cannot serve a request's kv_transfer_params (tokenmill/kv_transfer_params.py), or None."""
+    tcp = config is not None and config.kv_connector == "TCPConnector"
+    if kv.do_remote_decode and not (tcp and config.is_producer):
+        return ("do_remote_decode needs a prefill instance (--kv-transfer-config with TCPConnector, kv_role "
+                "kv_producer or kv_both)")
+    if kv.do_remote_prefill and not (tcp and config.is_consumer):
+        return ("do_remote_prefill needs a decode instance (--kv-transfer-config with TCPConnector, kv_role "
+                "kv_consumer or kv_both)")
+    return None
 
 
 # --speculative-config: vLLM's JSON shape, e.g. '{"method": "ngram", "num_speculative_tokens": 4,
@@ -353,7 +401,10 @@ class EngineConfig(CliConfig):
         "help": "share KV blocks with other instances, as vLLM's JSON: '{\"kv_connector\": \"ValkeyConnector\", "
                 "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {\"url\": \"redis://HOST:6379\"}}' "
                 "(a Valkey or Redis server that every replica writes its computed blocks to and loads prefixes from; "
-                "kv_producer only writes, kv_consumer only reads; tokenmill/engine/kv_offload.py)"})
+                "kv_producer only writes, kv_consumer only reads; tokenmill/engine/kv_offload.py), or "
+                "disaggregated prefill/decode: '{\"kv_connector\": \"TCPConnector\", \"kv_role\": \"kv_producer\", "
+                "\"kv_ip\": \"HOST\", \"kv_port\": PORT}' on the prefill instance (it serves its requests' blocks "
+                "there), kv_consumer on the decode instance (tokenmill/engine/kv_transfer.py)"})
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # LLM(...) may pass a dict

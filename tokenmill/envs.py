@@ -28,6 +28,9 @@ ENVIRONMENT_VARIABLES: dict[str, Callable[[], object]] = {
     # vLLM's: "1" or "true" serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters at run time)
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
     in ("1", "true"),
+    # vLLM's: seconds a prefill instance keeps a finished request's KV blocks for the decode instance that has not
+    # fetched them yet (--kv-transfer-config's kv_connector_extra_config.abort_request_timeout wins)
+    "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": lambda: float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480")),
     # vLLM's: "1" or "true" serves its development endpoints (POST /reset_prefix_cache)
     "VLLM_SERVER_DEV_MODE": lambda: os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true"),
     # the C++ compiler for the CPU kernels

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from tokenmill.kv_transfer_params import KVTransferParams
+
 
 class ParamError(ValueError):
     """An invalid request parameter; `param` names it, as OpenAI's error JSON does."""
@@ -58,6 +60,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # reasoning models (needs a reasoning parser): after this many thinking tokens, force the end-of-thinking string
     thinking_token_budget: int | None = None
+    # disaggregated prefill/decode (vLLM's kv_transfer_params): engine/kv_transfer.py
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

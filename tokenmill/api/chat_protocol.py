@@ -9,6 +9,7 @@ from msgspec import UNSET, UnsetType
 from pydantic import Field, model_validator
 
 from tokenmill.api.protocol import ROLES, Int, PromptLogprobs, ReasoningEffort, SamplingFields, Usage, _Request
+from tokenmill.kv_transfer_params import KVTransferParams
 from tokenmill.sampling_params import ParamError
 
 
@@ -179,7 +180,7 @@ class ChatCompletionResponse(msgspec.Struct):
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: None = None  # return_prompt_text, which tokenmill refuses
-    kv_transfer_params: None = None
+    kv_transfer_params: KVTransferParams | None = None  # a prefill instance's: where a decode instance fetches
 
 
 class ChatCompletionChunk(msgspec.Struct):

@@ -8,6 +8,7 @@ from msgspec import UNSET, UnsetType
 from pydantic import Field, model_validator
 
 from tokenmill.api.protocol import Int, PromptLogprobs, SamplingFields, Usage
+from tokenmill.kv_transfer_params import KVTransferParams
 from tokenmill.sampling_params import ParamError
 
 
@@ -61,7 +62,7 @@ class CompletionResponse(msgspec.Struct):
     object: str = "text_completion"
     service_tier: None = None
     system_fingerprint: None = None
-    kv_transfer_params: None = None
+    kv_transfer_params: KVTransferParams | None = None  # a prefill instance's: where a decode instance fetches
 
 
 class CompletionStreamChoice(msgspec.Struct):

@@ -93,6 +93,21 @@ class StructuredOutputsField(_Request):
     grammar: str | None = None
 
 
+class KVTransferParamsField(BaseModel):
+    """vLLM's `kv_transfer_params` (its NixlConnector's keys): `{"do_remote_decode": true}` to a prefill instance,
+    or the prefill instance's answer, as it was, to a decode instance (tokenmill/kv_transfer_params.py). Closed: a
+    key this server does not read is a 400, never ignored."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[Annotated[Int, Field(ge=0, le=INT64_MAX)]] | None = None
+    remote_host: str | None = None
+    remote_port: Int | None = Field(default=None, ge=1, le=65535)
+    remote_request_id: str | None = None
+    tp_size: Literal[1] = 1
+
+
 class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras). The bounds that
     depend on the server (n <= --max-n, the context length, token ids in the vocabulary) are checked at run time."""
@@ -145,7 +160,7 @@ class SamplingFields(_Body):
     # vLLM's extension fields that tokenmill does not implement: declared "off", any other value is a 400
     _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
         name: "" for name in ("allowed_token_ids", "bad_words", "logprob_token_ids", "watermarking", "cache_salt",
-                              "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection",
+                              "ec_transfer_params", "vllm_xargs", "repetition_detection",
                               "stream_interval", "routed_experts_prompt_start", "return_token_offsets",
                               "return_mm_kwargs", "request_id", "session_id", "logits_processors",
                               "guided_decoding_backend", "guided_whitespace_pattern")}
@@ -154,7 +169,8 @@ class SamplingFields(_Body):
     logprob_token_ids: None = None
     watermarking: Literal[False] | None = None
     cache_salt: None = None
-    kv_transfer_params: None = None
+    # disaggregated prefill/decode with --kv-transfer-config TCPConnector (tokenmill/engine/kv_transfer.py)
+    kv_transfer_params: KVTransferParamsField | None = None
     ec_transfer_params: None = None
     vllm_xargs: None = None
     repetition_detection: None = None

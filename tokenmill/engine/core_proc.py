@@ -43,6 +43,7 @@ from tokenmill.sampling_params import ParamError
 logger = logging.getLogger("tokenmill.engine.core_proc")
 
 _IDLE_POLL_MS = 1000  # when idle: how often to check that the API server still lives
+_PIN_POLL_MS = 50  # when idle with KV blocks pinned for decode instances: how often to free those they are done with
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
@@ -123,6 +124,8 @@ class EngineCoreLoop:
             self._drain_inputs()
             stepped = self.engine.has_unfinished_requests()
             outputs = self.engine.step() if stepped else []
+            if not stepped and self.engine.release_kv_pins():
+                self.aborted = True  # blocks freed with no step: report the state
             if stepped and self.kv_event_publisher is not None:
                 events = self.engine.kv_cache.take_events()
                 if events:
@@ -141,10 +144,13 @@ class EngineCoreLoop:
     def _wait_for_input(self) -> None:
         if not self.inputs.poll(0):
             release_freed_memory()  # falling idle: the steps' freed heap goes back to the OS
-        while not self.inputs.poll(_IDLE_POLL_MS):
+        while not self.inputs.poll(_PIN_POLL_MS if self.engine.holds_kv_pins else _IDLE_POLL_MS):
             if os.getppid() != self.parent_pid:
                 logger.info("the API server is gone; exiting")
                 sys.exit(0)
+            if self.engine.holds_kv_pins and self.engine.release_kv_pins():
+                self.aborted = True
+                return
 
     def _drain_inputs(self) -> None:
         while True:

@@ -12,13 +12,14 @@ import time
 import msgspec
 
 from tokenmill import envs
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, kv_transfer_refusal
 from tokenmill.engine.encoder_runner import EncoderRunner
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.kv_events import BlockRemoved, BlockStored
 from tokenmill.engine.kv_offload import KVOffloader, SaveJob, Tier
 from tokenmill.engine.kv_store import DiskStore, MemoryStore, ValkeyStore
-from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats, validate_request
+from tokenmill.engine.kv_transfer import KVBlockClient, KVBlockServer, TransferCounters, new_engine_id
+from tokenmill.engine.messages import EngineCoreOutput, KVTransferStats, SchedulerStats, validate_request
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
@@ -104,9 +105,11 @@ class EngineCore:
             if config.speculative_config.method == "draft_model":
                 proposer = DraftModelProposer(config, self.runner, self.max_model_len, get_tokenizer())
             self.speculator = self.scheduler.speculator = Speculator(config.speculative_config, proposer)
+        self.kv_sender: KVBlockServer | None = None  # TCPConnector: a prefill instance's block server
+        self.transfer_counters: TransferCounters | None = None
         self.offload = self.scheduler.offload = self._offloader(config, prefix_caching)
         self._save_backlog: collections.deque[SaveJob] = collections.deque()  # computed, not yet queued
-        if self.offload is not None:
+        if self.offload is not None and self.offload.writes:
             self.kv_cache.newly_cached = []
 
     def _offloader(self, config: EngineConfig, prefix_caching: bool) -> KVOffloader | None:
@@ -131,15 +134,27 @@ class EngineCore:
             tiers.append(Tier(ValkeyStore(transfer.url), read=transfer.kv_role != "kv_producer",
                               write=transfer.kv_role != "kv_consumer"))
             logger.info("KV blocks shared through %s (%s)", transfer.url, transfer.kv_role)
-        if not tiers and config.kv_offloading_size is None:
+        tcp = transfer is not None and transfer.kv_connector == "TCPConnector"
+        if not tiers and config.kv_offloading_size is None and not tcp:
             return None
         if self.runner_type != "generate" or not prefix_caching:
             raise ValueError("--kv-offloading-size and --kv-transfer-config keep prefix-cache blocks: they need "
                              "--enable-prefix-caching and a generating model")
-        if not tiers:
+        layout = self.runner.block_layout(self.model_info) if tiers or tcp else None
+        fetcher = None
+        if tcp:
+            self.transfer_counters = TransferCounters()
+            engine_id = transfer.engine_id or new_engine_id()
+            if transfer.is_producer:
+                self.kv_sender = self.scheduler.kv_sender = KVBlockServer(
+                    layout, engine_id, transfer.kv_ip, transfer.kv_port, transfer.extra("abort_request_timeout"),
+                    self.transfer_counters)
+            if transfer.is_consumer:
+                fetcher = KVBlockClient(layout, transfer.extra("fetch_timeout"), self.transfer_counters)
+        if not tiers and fetcher is None:
             return None
         # a save pins its block until written: at most a quarter of the pool waits for the worker
-        return KVOffloader(tiers, self.runner.block_layout(self.model_info), max(8, self.kv_cache.num_blocks // 4))
+        return KVOffloader(tiers, layout, max(8, self.kv_cache.num_blocks // 4), fetcher)
 
     @property
     def matryoshka(self) -> bool:
@@ -149,6 +164,10 @@ class EngineCore:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> int:
         """Raises ParamError if the engine cannot take the request; returns its max_tokens."""
         check_generate_runner(self.runner_type)
+        kv = params.kv_transfer_params
+        refusal = kv_transfer_refusal(self.config.kv_transfer_config, kv) if kv is not None else None
+        if refusal is not None:
+            raise ParamError(f"kv_transfer_params: {refusal}", "kv_transfer_params")
         return validate_request(prompt_token_ids, params, priority, self.max_model_len, self.config.max_logprobs,
                                 self.runner.vocab_size, self.scheduler.policy,
                                 self.kv_cache.num_blocks * self.kv_cache.block_size, self.reasoning is not None)
@@ -207,12 +226,27 @@ class EngineCore:
         self.scheduler.abort(request_id)
         self.structured.remove(request_id)
 
+    def release_kv_pins(self) -> bool:
+        """A prefill instance frees the blocks decode instances are done with or never fetched in time; True if
+        it freed some (the stats changed)."""
+        if self.kv_sender is None:
+            return False
+        blocks = self.kv_sender.take_released()
+        if blocks:
+            self.kv_cache.pool.free(blocks)
+        return bool(blocks)
+
+    @property
+    def holds_kv_pins(self) -> bool:
+        return self.kv_sender is not None and self.kv_sender.num_pinned_requests > 0
+
     def has_unfinished_requests(self) -> bool:
         """Requests, or the tier's saves (so an idle engine still writes what it computed last)."""
         return self.scheduler.has_unfinished() or (
             self.offload is not None and (self.offload.busy or bool(self._save_backlog)))
 
     def step(self) -> list[EngineCoreOutput]:
+        self.release_kv_pins()
         if self.offload is not None:
             self._offload_poll()
         sched = self.scheduler.schedule()
@@ -288,6 +322,8 @@ class EngineCore:
         """Saves the blocks this step computed, pinned until the tier's worker has copied them. Past the number
         of saves in flight (a quarter of the pool), blocks wait unpinned in a backlog; one the pool hands out
         meanwhile is not saved."""
+        if self.kv_cache.newly_cached is None:  # no tier saves (a decode instance's TCPConnector only fetches)
+            return
         pool, bs, backlog = self.kv_cache.pool, self.kv_cache.block_size, self._save_backlog
         for block, r, i in self.kv_cache.take_newly_cached():
             lora = r.lora_request
@@ -309,7 +345,8 @@ class EngineCore:
         KV events, with the tier's medium)."""
         loads, saved = self.offload.poll()
         for job in loads:
-            self.scheduler.finish_load(job.request_id, job.num_ok)
+            if job.blocks:  # (a prefill instance told that a request needs none of its blocks: nothing to do)
+                self.scheduler.finish_load(job.request_id, job.num_ok)
         if not saved:
             return
         pool = self.kv_cache.pool
@@ -364,7 +401,7 @@ class EngineCore:
         t = r.times
         return EngineCoreOutput(r.request_id, tokens, r.finish_reason, logprobs, prompt_logprobs,
                                 r.num_cached_tokens, t.arrival, t.first_scheduled or 0.0, t.first_token or 0.0,
-                                t.finished or 0.0, pooled, r.num_external_tokens)
+                                t.finished or 0.0, pooled, r.num_external_tokens, r.kv_transfer_out)
 
     def scheduler_stats(self, step_tokens: int = 0) -> SchedulerStats:
         s, kv, spec = self.scheduler, self.kv_cache, self.speculator
@@ -383,6 +420,15 @@ class EngineCore:
             stats.kv_offload.num_loading = len(s.loading)
             stats.num_waiting += len(s.loading)  # vLLM counts them waiting, "deferred" (for their KV)
             stats.num_waiting_deferred += len(s.loading)
+        c = self.transfer_counters
+        if c is not None:
+            seconds, c.fetch_seconds = c.fetch_seconds, []
+            tokens, c.tokens_fetched = c.tokens_fetched, []
+            sender = self.kv_sender
+            stats.kv_transfer = KVTransferStats(
+                sender.num_pinned_blocks if sender else 0, sender.num_pinned_requests if sender else 0,
+                c.pins_expired, c.blocks_sent, c.bytes_sent, c.blocks_fetched, c.blocks_skipped, c.bytes_received,
+                dict(c.fetch_failures), seconds, tokens)
         if spec is not None:
             stats.spec_num_drafts, stats.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens

@@ -36,12 +36,14 @@ def checksum(payload) -> int:
 
 
 def pack(layout_key: bytes, block_hash: bytes, payload) -> bytes:
-    return _HEADER.pack(MAGIC, layout_key, block_hash, len(payload), checksum(payload)) + bytes(payload)
+    return b"".join((_HEADER.pack(MAGIC, layout_key, block_hash, len(payload), checksum(payload)), payload))
 
 
-def unpack(entry: bytearray | bytes | None, layout_key: bytes, block_hash: bytes) -> tuple[memoryview | None, str]:
+def unpack(entry: bytearray | bytes | memoryview | None, layout_key: bytes,
+           block_hash: bytes) -> tuple[memoryview | None, str]:
     """(payload, "") for a good entry, else (None, why): missing, short, magic, layout, hash, length, checksum.
-    The payload is a writable view (torch reads it without a copy), so bytes are copied into a bytearray."""
+    The payload is a view of the entry (bytes are first copied into a bytearray, so that torch reads it without
+    a copy; a memoryview, a received frame's, is taken as it is: BlockLayout.write copies it once)."""
     if entry is None:
         return None, "missing"
     if isinstance(entry, bytes):

@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_blocks import BlockLayout, pack, unpack
+from tokenmill.engine.kv_transfer import KVBlockClient, TransferError
 from tokenmill.engine.messages import OffloadStats
+from tokenmill.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -54,6 +56,10 @@ class LoadJob:
     blocks: list[tuple[bytes, int]]  # (block hash, block id), in chain order
     started: float = field(default_factory=time.monotonic)
     num_ok: int = 0
+    # set: fetched from a prefill instance (engine/kv_transfer.py), not from the tiers; `first` is the chain
+    # index of blocks[0]. No blocks: only tells the prefill instance that this request needs none of them
+    remote: KVTransferParams | None = None
+    first: int = 0
 
 
 @dataclass
@@ -77,9 +83,12 @@ class OffloadCounters:
 
 
 class KVOffloader:
-    def __init__(self, tiers: list[Tier], layout: BlockLayout, max_pending_saves: int):
-        """tiers: local ones (no I/O to know what they hold) first, then remote ones."""
+    def __init__(self, tiers: list[Tier], layout: BlockLayout, max_pending_saves: int,
+                 fetcher: KVBlockClient | None = None):
+        """tiers: local ones (no I/O to know what they hold) first, then remote ones. fetcher: a decode
+        instance's client of prefill instances (loads with `remote` set)."""
         self.tiers = tiers
+        self.fetcher = fetcher
         self.layout = layout
         self.max_pending_saves = max_pending_saves
         self.counters = OffloadCounters()
@@ -140,9 +149,11 @@ class KVOffloader:
         if request_id in self._pending_lookups:
             self._forgotten.add(request_id)
 
-    def load(self, request_id: str, blocks: list[tuple[bytes, int]]) -> None:
-        """Fills these (block hash, block id) pairs from the tiers, in order; poll reports how many."""
-        self._submit(self._jobs, LoadJob(request_id, blocks))
+    def load(self, request_id: str, blocks: list[tuple[bytes, int]], remote: KVTransferParams | None = None,
+             first: int = 0) -> None:
+        """Fills these (block hash, block id) pairs from the tiers, or from the prefill instance `remote` names
+        (blocks[0] being block `first` of its request), in order; poll reports how many."""
+        self._submit(self._jobs, LoadJob(request_id, blocks, remote=remote, first=first))
 
     @property
     def room(self) -> int:
@@ -152,6 +163,11 @@ class KVOffloader:
     @property
     def busy(self) -> bool:
         return self._pending_saves > 0 or bool(self._pending_lookups)
+
+    @property
+    def writes(self) -> bool:
+        """Whether some tier saves computed blocks."""
+        return any(t.write for t in self.tiers)
 
     def save(self, jobs: list[SaveJob]) -> list[SaveJob]:
         """Queues saves of the blocks some writable tier lacks (at most `room`); returns the ones queued: the
@@ -233,7 +249,7 @@ class KVOffloader:
                 if isinstance(jobs[0], LookupJob):
                     self._lookup(jobs[0])
                 elif isinstance(jobs[0], LoadJob):
-                    self._load(jobs[0])
+                    (self._load_remote if jobs[0].remote is not None else self._load)(jobs[0])
                 else:
                     self._save(jobs)
             except Exception:  # a bug must cost recomputation, not a worker that is gone and requests that hang
@@ -304,6 +320,40 @@ class KVOffloader:
         self.counters.blocks_read += len(good)
         job.num_ok = len(good)
         self.counters.load_seconds.append(time.monotonic() - job.started)
+
+    def _load_remote(self, job: LoadJob) -> None:
+        """Fetches the job's blocks from its prefill instance (releasing them there) and writes those that pass
+        their checks, up to the first that does not."""
+        counters, params = self.fetcher.counters, job.remote
+        try:
+            entries = self.fetcher.fetch(params, list(range(job.first, job.first + len(job.blocks))),
+                                         [block_hash for block_hash, _ in job.blocks])
+        except TransferError as e:
+            counters.failed(e.reason)
+            logger.warning("KV transfer of %s from %s failed (%s); %s", job.request_id, params.remote_request_id, e,
+                           "its blocks are recomputed" if job.blocks else "its blocks stay pinned there until "
+                           "they time out")
+            return
+        if not job.blocks:
+            return
+        layout_key = self.layout.key()
+        good: list[tuple[int, memoryview]] = []
+        for (block_hash, block_id), entry in zip(job.blocks, entries):
+            payload, why = unpack(entry, layout_key, block_hash)
+            if payload is None:
+                counters.failed(f"block_{why}")
+                logger.warning("KV transfer of %s: block %s rejected (%s); the rest is recomputed", job.request_id,
+                               block_hash.hex()[:16], why)
+                break
+            good.append((block_id, payload))
+            counters.bytes_received += len(entry)
+        if len(entries) < len(job.blocks) and len(good) == len(entries):
+            counters.failed("missing")  # the prefill instance holds another prompt from there on
+        self.layout.write([block_id for block_id, _ in good], [payload for _, payload in good])
+        counters.blocks_fetched += len(good)
+        job.num_ok = len(good)
+        counters.fetch_seconds.append(time.monotonic() - job.started)
+        counters.tokens_fetched.append(len(good) * self.layout.identity.get("block_size", 1))
 
     def _failed(self, store, what: str, error: OSError) -> None:
         self.counters.store_errors[store.medium] += 1

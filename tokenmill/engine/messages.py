@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenmill.kv_transfer_params import KVTransferParams
 from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
@@ -80,6 +81,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_time: float = 0.0
     pooled: list[float] | None = None  # a pooling request's vector, in its one (finishing) output
     num_external_tokens: int = 0  # of num_cached_tokens, those loaded from the tier beyond the pool
+    # a prefill instance's finished do_remote_decode request: where a decode instance fetches its blocks
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class OffloadStats(msgspec.Struct, array_like=True):
@@ -97,6 +100,23 @@ class OffloadStats(msgspec.Struct, array_like=True):
     healthy: dict[str, bool] = msgspec.field(default_factory=dict)
     load_seconds: list[float] = msgspec.field(default_factory=list)
     num_loading: int = 0  # requests waiting for their blocks
+
+
+class KVTransferStats(msgspec.Struct, array_like=True):
+    """Disaggregated prefill/decode (engine/kv_transfer.py), cumulative: the prefill side's pinned blocks and what
+    it sent, the decode side's fetches (blocks fetched, blocks its prefix cache already held, failures by reason)
+    and the fetches' latencies since the last report."""
+    pinned_blocks: int = 0
+    pinned_requests: int = 0
+    pins_expired: int = 0  # requests whose blocks no decode instance fetched within abort_request_timeout
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    blocks_fetched: int = 0
+    blocks_skipped: int = 0
+    bytes_received: int = 0
+    fetch_failures: dict[str, int] = msgspec.field(default_factory=dict)  # reason → fetches
+    fetch_seconds: list[float] = msgspec.field(default_factory=list)
+    tokens_fetched: list[int] = msgspec.field(default_factory=list)  # per fetch, with fetch_seconds
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -124,6 +144,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_offload: OffloadStats | None = None
+    kv_transfer: KVTransferStats | None = None
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -211,6 +232,13 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, priori
     if params.thinking_token_budget is not None and not reasoning:
         raise ParamError("thinking_token_budget needs a reasoning model: start with --reasoning-parser (or "
                          "--think-start-str/--think-end-str)", "thinking_token_budget")
+    kv = params.kv_transfer_params
+    if kv is not None:
+        problem = kv.problem()
+        if problem is None and kv.active and params.n != 1:
+            problem = "one sample per request (n=1): the blocks of one prompt go to one decode"
+        if problem is not None:
+            raise ParamError(f"kv_transfer_params: {problem}", "kv_transfer_params")
     if scheduling_policy == "fcfs" and priority != 0:
         raise ParamError("priority is only allowed with --scheduling-policy priority", "priority")
     return max_tokens

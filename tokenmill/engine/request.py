@@ -50,6 +50,11 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling (the tier's blocks included)
         self.num_external_tokens = 0  # of those, tokens loaded from the tier beyond the pool (kv_offload.py)
         self.kv_loaded = False  # the tier was asked for its prefix since its last (re)admission
+        # disaggregated prefill/decode (engine/kv_transfer.py): on a decode instance, the prefill instance's blocks
+        # still to fetch; on a prefill instance, where its pinned blocks are, for its last output
+        kv = params.kv_transfer_params
+        self.kv_remote = kv if kv is not None and kv.do_remote_prefill else None
+        self.kv_transfer_out = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.times = RequestTimes()

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenmill.engine.block_hash import hash_request_blocks
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 
@@ -86,6 +87,9 @@ class Scheduler:
         self.loading: dict[str, Request] = {}
         # --max-step-latency-ms: bounds prefill chunks while decodes run (engine/step_cost.StepCostModel)
         self.step_cost = None
+        # a prefill instance's block server (kv_transfer.KVBlockServer, TCPConnector as kv_producer or kv_both):
+        # a do_remote_decode request that ends at its length limit leaves its prompt blocks pinned there
+        self.kv_sender = None
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -160,7 +164,8 @@ class Scheduler:
             elif request.params.prompt_logprobs is None:  # prompt logprobs need every prompt position's logits
                 hits, num_hit = self.kv_cache.get_computed_blocks(request)
                 if self.offload is not None and not request.kv_loaded and request.pooling is None:
-                    started = self._load_from_tier(request, hits)
+                    started = (self._load_from_remote(request, hits) if request.kv_remote is not None
+                               else self._load_from_tier(request, hits))
                     if started == "asking":  # a remote store is asked what it holds: keeps its place
                         not_ready.append(self.waiting.pop())
                         continue
@@ -216,6 +221,33 @@ class Scheduler:
         table = self.kv_cache.block_tables[request.request_id]
         self.offload.load(request.request_id, [(request.block_hashes[i], table[i].block_id)
                                                for i in range(start, start + found)])
+        return "loading"
+
+    def _load_from_remote(self, request: Request, hits: list) -> str | None:
+        """A decode instance's do_remote_prefill request: starts fetching the prompt blocks past the pool's hits
+        from the prefill instance into fresh blocks ("loading"); None if the pool holds all of them (the prefill
+        instance is told to release them), "no room" if the pool has none for them."""
+        bs, remote = self.kv_cache.block_size, request.kv_remote
+        start = len(hits)
+        end = min((request.num_tokens - 1) // bs, len(remote.remote_block_ids))  # the last token is computed
+        request.kv_loaded = True
+        if end <= start:
+            self.offload.fetcher.counters.blocks_skipped += end
+            request.kv_remote = None
+            self.offload.load(request.request_id, [], remote)  # nothing to fetch: release them there
+            return None
+        if not self.kv_cache.allocate_slots(request, (end - start) * bs, hits, cache=False):
+            request.kv_loaded = False
+            return "no room"
+        self.offload.fetcher.counters.blocks_skipped += start
+        self.kv_cache.external_queries += (end - start) * bs
+        request.kv_remote = None  # fetched once; a preempted request finds the blocks in the pool (or recomputes)
+        self.waiting.pop()
+        request.num_computed_tokens = start * bs
+        self.loading[request.request_id] = request
+        table = self.kv_cache.block_tables[request.request_id]
+        self.offload.load(request.request_id, [(request.block_hashes[i], table[i].block_id) for i in range(start, end)],
+                          remote, start)
         return "loading"
 
     def finish_load(self, request_id: str, num_loaded: int) -> None:
@@ -278,6 +310,11 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.times.finished = time.monotonic()
+        if self.kv_sender is not None and status == RequestStatus.FINISHED_LENGTH:
+            self._pin_for_decode(request)
+        if request.kv_remote is not None and self.offload is not None:  # never fetched: release them there
+            self.offload.load(request.request_id, [], request.kv_remote)
+            request.kv_remote = None
         if not loading:  # a tier is writing its blocks: finish_load frees them
             self.kv_cache.free(request)
         if self.offload is not None:
@@ -287,6 +324,21 @@ class Scheduler:
         if self.lora is not None and request.lora_request is not None:
             self.lora.release(request.lora_request)
         self.requests.pop(request.request_id, None)
+
+    def _pin_for_decode(self, request: Request) -> None:
+        """A do_remote_decode request at its length limit (vLLM's rule: an aborted or stopped one hands nothing
+        over): its full prompt blocks stay referenced, in the block server, until the decode instance fetched them
+        or the timeout passed; request.kv_transfer_out says where they are."""
+        kv = request.params.kv_transfer_params
+        if kv is None or not kv.do_remote_decode:
+            return
+        n = min(request.num_prompt_tokens // self.kv_cache.block_size,
+                len(self.kv_cache.block_tables.get(request.request_id, ())))
+        hash_request_blocks(request.all_token_ids[:n * self.kv_cache.block_size], self.kv_cache.block_size,
+                            request.extra_keys, request.block_hashes)  # (known already with prefix caching)
+        blocks = self.kv_cache.block_tables.get(request.request_id, [])[:n]
+        self.kv_cache.pool.touch(blocks)
+        request.kv_transfer_out = self.kv_sender.pin(request.request_id, blocks, request.block_hashes[:n])
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

@@ -18,6 +18,7 @@ from tokenmill.api.errors import EngineDeadError, StreamStalled
 from tokenmill.api.tracing import RequestTrace
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineCoreOutput, RequestError
+from tokenmill.kv_transfer_params import KVTransferParams
 from tokenmill.logprobs import TokenLogprobs
 from tokenmill.sampling_params import ParamError, SamplingParams, child_params
 
@@ -63,6 +64,7 @@ class GenerationStream:
     last_read: float = field(default_factory=time.monotonic)  # when the reader last asked for output
     error: Exception | None = None  # set by fail(): raised to the reader
     closed: bool = False
+    kv_transfer_params: KVTransferParams | None = None  # a prefill instance's answer (engine/kv_transfer.py)
 
     def __post_init__(self):
         n = self.params.n
@@ -144,6 +146,8 @@ class GenerationStream:
         delta.token_ids.extend(out.new_token_ids)
         sample.num_tokens += len(out.new_token_ids)
         sample.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         if out.logprobs:
             delta.logprobs = (delta.logprobs or []) + list(out.logprobs)
         if out.prompt_logprobs:

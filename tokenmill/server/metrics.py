@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from tokenmill.engine.messages import EngineCoreOutput, SchedulerStats
 from tokenmill.server.kv_offload_metrics import KVOffloadMetrics
+from tokenmill.server.kv_transfer_metrics import KVTransferMetrics
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -159,6 +160,7 @@ class ServerMetrics:
             self._lora_requests = Counter("tokenmill:lora_requests", "Finished requests per LoRA adapter.",
                                           ["model_name", "lora_name", "finished_reason"], registry=r)
         self.kv_offload = KVOffloadMetrics(r, model_name)
+        self.kv_transfer = KVTransferMetrics(r, model_name)
         by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
                             ["model_name", "source"], registry=r)
         self.prompt_tokens_by_source = {source: by_source.labels(model_name, source)
@@ -189,6 +191,7 @@ class ServerMetrics:
                 metric.inc(new - old)
         self._engine_totals = totals
         self.kv_offload.record(stats)
+        self.kv_transfer.record(stats)
         spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
         for metric, new, old in zip((self.spec_num_drafts, self.spec_num_draft_tokens,
                                      self.spec_num_accepted_tokens), spec, self._spec_totals):

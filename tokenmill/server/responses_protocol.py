@@ -64,7 +64,8 @@ class ResponsesRequest(SamplingFields):
         **SamplingFields._UNSUPPORTED_VLLM,
         **{name: " on /v1/responses" for name in (
             "stream_options", "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
-            "truncate_prompt_tokens", "truncation_side", "use_beam_search")}}
+            "truncate_prompt_tokens", "truncation_side", "use_beam_search", "kv_transfer_params")}}
+    kv_transfer_params: None = None  # disaggregated prefill/decode serves completions and chat only
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: Int | None = Field(default=None, ge=1)

@@ -96,7 +96,8 @@ class OpenAIServingChat(OpenAIServing):
                 choice.token_ids = c.token_ids
             out.append(choice)
         usage = self.usage(prompts, sum(c.num_tokens for c in choices), stream.num_cached_tokens)
-        response = chp.ChatCompletionResponse(request_id, created, model, out, usage)
+        response = chp.ChatCompletionResponse(request_id, created, model, out, usage,
+                                              kv_transfer_params=getattr(stream, "kv_transfer_params", None))
         if not batch:  # vLLM's batch response has neither: there is no one prompt
             if req.return_token_ids:
                 response.prompt_token_ids = prompts[0]

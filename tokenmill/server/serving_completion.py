@@ -80,7 +80,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice.prompt_logprobs = self.prompt_logprobs(prompt_ids, c.prompt_logprobs)
             out.append(choice)
         usage = self.usage(prompts, sum(c.num_tokens for c in choices), stream.num_cached_tokens)
-        return json_response(cp.CompletionResponse(request_id, created, model, out, usage))
+        return json_response(cp.CompletionResponse(request_id, created, model, out, usage,
+                                                   kv_transfer_params=getattr(stream, "kv_transfer_params", None)))
 
     def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int, k: int,
                  as_ids: bool, context: list[int] | None = None) -> cp.CompletionLogprobs:

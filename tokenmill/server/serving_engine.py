@@ -13,6 +13,8 @@ from tokenmill.api import protocol as p
 from tokenmill.api.errors import sse_error_event
 from tokenmill.api.tracing import RequestTrace
 from tokenmill.beam_search import BeamSearchParams, check_beam_width
+from tokenmill.config import kv_transfer_refusal
+from tokenmill.kv_transfer_params import KVTransferParams
 from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
@@ -90,6 +92,7 @@ class OpenAIServing:
                 raise ParamError(f"{e} (in the tools' parameters)", "tools") from None
             structured = tool_constraint
         return SamplingParams(
+            kv_transfer_params=self.kv_transfer_params(req),
             structured_outputs=structured, thinking_token_budget=req.thinking_token_budget,
             n=req.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=top_k,
             min_p=given("min_p", 0.0), presence_penalty=req.presence_penalty or 0.0,
@@ -99,6 +102,23 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens)
+
+    def kv_transfer_params(self, req: p.SamplingFields) -> KVTransferParams | None:
+        """The request's kv_transfer_params (disaggregated prefill/decode), if this instance can serve them: its
+        --kv-transfer-config role, one sample, and for a prefill a whole response (the params are in its body)."""
+        field_ = req.kv_transfer_params
+        if field_ is None:
+            return None
+        kv = KVTransferParams(**field_.model_dump())
+        if not kv.active:
+            return None
+        engine_config = getattr(self.state.client, "config", None)
+        problem = kv.problem() or kv_transfer_refusal(getattr(engine_config, "kv_transfer_config", None), kv)
+        if problem is None and kv.do_remote_decode and req.stream:
+            problem = "do_remote_decode answers with the decode instance's params in a whole response: stream false"
+        if problem is not None:
+            raise ParamError(f"kv_transfer_params: {problem}", "kv_transfer_params")
+        return kv
 
     def num_logprobs(self, value: int | None, param: str) -> int | None:
         """vLLM's rule for logprobs, top_logprobs and prompt_logprobs: -1 is the whole vocabulary, and no more than
@@ -197,6 +217,9 @@ class OpenAIServing:
         on the log line and the trace span, so that an operator can find one user's requests (abuse monitoring)."""
         state = self.state
         state.client.check_alive()
+        if params.kv_transfer_params is not None and len(prompts) > 1:
+            raise ParamError("kv_transfer_params: one prompt per request (the blocks of one prompt go to one decode)",
+                             "kv_transfer_params")
         for ids in prompts:
             state.validate(ids, params, priority)
         state.check_queue([ids for ids in prompts for _ in range(params.n)])
@@ -229,6 +252,8 @@ class OpenAIServing:
             "repetition_penalty": req.repetition_penalty not in (None, 1.0), "logit_bias": bool(req.logit_bias),
             "stop": bool(req.stop), "stop_token_ids": bool(req.stop_token_ids), "min_tokens": req.min_tokens > 0,
             "thinking_token_budget": req.thinking_token_budget is not None,
+            "kv_transfer_params": req.kv_transfer_params is not None and (
+                req.kv_transfer_params.do_remote_decode or req.kv_transfer_params.do_remote_prefill),
             "prompt_logprobs": req.prompt_logprobs is not None, "tool_choice": tool_constraint is not None,
             "response_format": req.response_format is not None and req.response_format.type != "text",
             **{name: getattr(req, name) is not None
