@@ -12,7 +12,7 @@ import grimp
 FLOORS: list[tuple[tuple[str, ...], ...]] = [
     # plain data and parsers, no torch: what every process (engine, API server, router) may load
     (("tokenmill.envs", "tokenmill.logs", "tokenmill.json_flag", "tokenmill.heap", "tokenmill.sampling_params",
-      "tokenmill.pooling_params", "tokenmill.pooling_outputs", "tokenmill.logprobs", "tokenmill.outputs",
+      "tokenmill.pooling_params", "tokenmill.pooling_outputs", "tokenmill.kv_transfer_params", "tokenmill.logprobs", "tokenmill.outputs",
       "tokenmill.reasoning", "tokenmill.tool_parsers", "tokenmill.chat_templates", "tokenmill.gguf_file", "tokenmill.tokenizer",
       "tokenmill.detokenizer", "tokenmill.config"),),
     # the model code and what it runs on
