@@ -10,15 +10,20 @@ engines of a tiny random Llama in this process, over the same TCP transport."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers import (API_KEY, MODEL, TEXT, RouterProcess, engine_on, metric_value, save_tiny_llama, scrape_metrics,
-                     wait_until)
+from helpers import (API_KEY, MODEL, TEXT, RouterProcess, engine_on, free_port, metric_value, save_tiny_llama,
+                     scrape_metrics, stop_process, wait_until)
 from tokenmill.config import KVTransferConfig
 from tokenmill.kv_transfer_params import KVTransferParams
 from tokenmill.sampling_params import SamplingParams
@@ -324,7 +329,7 @@ REQUESTS = [  # (path, the request less its prompt field)
 
 def fresh_text(i: int) -> str:
     """~120 tokens of TEXT from a character offset no other test starts at: a prompt no instance has cached."""
-    return TEXT[53 + 263 * i:53 + 263 * i + 500]
+    return TEXT[53 + 233 * i:53 + 233 * i + 500]
 
 
 def with_prompt(path: str, common: dict, text: str) -> dict:
@@ -402,6 +407,50 @@ def test_through_the_router_a_prefill_instance_that_is_down_is_replaced(pd, pd_r
         assert r.headers["x-tokenmill-prefill-replica"] == pd["pd-prefill"].url
     assert router_metric(router, "tokenmill_router:pd_prefill_failovers_total", replica=relays["prefill"].url) == 1
     assert router_metric(router, "tokenmill_router:replica_healthy", replica=relays["prefill"].url) == 0
+
+
+# vLLM's own proxy for disaggregated serving, byte for byte: tests/v1/kv_connector/nixl_integration/
+# toy_proxy_server.py of https://github.com/local-inference-lab/vllm at commit 9aaf83ef502fc37bc647f6e474314d48ba36cd1c
+# (Apache-2.0, its SPDX header kept), committed as a test fixture since the tests reach no network. It imports
+# only argparse, httpx, fastapi and uvicorn; its git blob id is checked, so that it stays unchanged.
+TOY_PROXY = Path(__file__).parent / "data" / "vllm_toy_proxy_server.py"
+TOY_PROXY_BLOB = "1a910c8d24dcb2343fa70083874c48445c265fb2"
+
+
+@pytest.fixture(scope="module")
+def toy_proxy(pd):
+    """vLLM's toy proxy (unchanged) in front of the prefill and the decode instance, started with its own flags;
+    it sends OPENAI_API_KEY as the bearer token."""
+    data = TOY_PROXY.read_bytes()
+    assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == TOY_PROXY_BLOB, "the proxy was changed"
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(TOY_PROXY), "--port", str(port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
+         str(_port(pd["pd-prefill"])), "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(_port(pd["pd-decode"]))],
+        env={**os.environ, "OPENAI_API_KEY": API_KEY}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(url + "/healthcheck", timeout=2).status_code == 200, 30, 0.2,
+               message=lambda: f"vLLM's toy proxy to start (exit {proc.poll()})", retry_on=(httpx.HTTPError,))
+    yield url
+    stop_process(proc, 10)
+
+
+def test_vllms_own_proxy_in_front_of_the_instances(pd, toy_proxy):
+    """A completion (not streamed) and a chat (streamed) through vLLM's toy proxy: the single instance's text and
+    usage, the decode instance's prompt taken from the prefill instance, nothing left pinned."""
+    single, prefill, decode = pd["default"], pd["pd-prefill"], pd["pd-decode"]
+    before = transfer(decode)
+    path, common = REQUESTS[0]
+    body = with_prompt(path, common, fresh_text(8))
+    out, reference = ok(post(toy_proxy, path, body)), ok(post(single.url, path, body))
+    assert text_of(out) == text_of(reference) and out["usage"] == reference["usage"]
+    path, common = REQUESTS[1]
+    body = {**with_prompt(path, common, fresh_text(9)), "stream_options": {"include_usage": True}}
+    (text, events), (alone, reference_events) = sse(toy_proxy, path, body), sse(single.url, path, body)
+    assert text == alone and events[-1]["usage"] == reference_events[-1]["usage"]
+    after = transfer(decode)
+    assert after["external"] - before["external"] >= 2 * 16 and after["fetched"] - before["fetched"] >= 2
+    wait_until(lambda: transfer(prefill)["pinned"] == 0, 10, message="the prefill instance to free the blocks")
 
 
 def test_a_prefill_instance_killed_before_the_fetch_costs_a_recomputation(pd, prompts, servers):
