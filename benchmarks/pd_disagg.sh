@@ -19,7 +19,7 @@
 #   SETUPS ("colocated pd"), BASE_PORT (8400: the router; the instances BASE_PORT+1, +2; the KV port +91),
 #   PY (the directory of the python and tokenmill to run, .venv/bin).
 # A tiny check: CHAT_N=2 CHAT_ISL=32 CHAT_OSL=4 CHAT_RATE=4 LONG_N=1 LONG_ISL=64 LONG_OSL=4 LONG_RATE=4 \
-#   DTYPE=float32 KV_MEMORY=128MiB benchmarks/pd_disagg.sh /tmp/pd
+#   DTYPE=float32 KV_MEMORY=128MiB MAX_MODEL_LEN=512 benchmarks/pd_disagg.sh /tmp/pd
 set -euo pipefail
 OUT=${1:-benchmarks/runs/pd-disagg}
 PY=${PY:-.venv/bin}
