@@ -47,8 +47,8 @@ instance() { echo "http://127.0.0.1:$((BASE_PORT + $1))"; }
 
 start_instance() {  # $1: index (port BASE_PORT + $1), $2: core, rest: flags
   local i=$1 core=$2; shift 2
-  OMP_NUM_THREADS=1 TOKENMILL_NO_PROGRESS=1 taskset -c "$core" $PY/tokenmill serve --port $((BASE_PORT + i)) --dtype "$DTYPE" \
-    --max-model-len "$MAX_MODEL_LEN" --kv-cache-memory "$KV_MEMORY" --disable-log-stats "$@" \
+  OMP_NUM_THREADS=1 TOKENMILL_NO_PROGRESS=1 taskset -c "$core" $PY/tokenmill serve --port $((BASE_PORT + i)) \
+    --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" --kv-cache-memory "$KV_MEMORY" --disable-log-stats "$@" \
     > "$run/instance-$i.log" 2>&1 &
   PIDS+=($!)
   wait_health "$(instance "$i")" "${PIDS[-1]}" "$run/instance-$i.log"
