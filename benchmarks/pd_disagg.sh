@@ -7,24 +7,27 @@
 # The same workload, side by side in one run, from fresh processes: chat requests (ISL CHAT_ISL, OSL CHAT_OSL) at a
 # steady CHAT_RATE, and at the same time long-prompt requests (ISL LONG_ISL, OSL LONG_OSL) arriving as a Poisson
 # process at LONG_RATE: two `tokenmill bench serve` runs against the router at once. Prints and writes
-# (summary.json), per setup: the chat requests' ITL p50/p99 and TTFT p50/p99, the long requests' TTFT p50/p99, and
-# for pd the transfer cost (ms per 1,000 transferred tokens, from the decode instance's
-# tokenmill:kv_transfer_fetch_seconds_sum and tokenmill:kv_transfer_tokens_fetched) and the blocks fetched.
+# (summary.json), per setup: the chat requests' ITL p50/p99 and TTFT p50/p99, the long requests' ITL and TTFT
+# p50/p99, and for pd the transfer cost (ms per 1,000 transferred tokens, from the decode instance's
+# tokenmill:kv_transfer_fetch_seconds_sum and tokenmill:kv_transfer_tokens_fetched), the blocks fetched and the
+# router's requests per stage.
 # Issue 37 asks for pd's chat ITL p99 <= 0.5x colocated's at the same rates.
 #
 # Usage: benchmarks/pd_disagg.sh [OUT]   (default benchmarks/runs/pd-disagg)
 # Knobs (env): CHAT_N (64), CHAT_ISL (200), CHAT_OSL (256), CHAT_RATE (req/s, 0.5), LONG_N (8), LONG_ISL (2000),
 #   LONG_OSL (64), LONG_RATE (req/s, 0.0625), DTYPE (bfloat16), KV_MEMORY (1GiB), MAX_MODEL_LEN (4096),
-#   SETUPS ("colocated pd").
+#   SETUPS ("colocated pd"), BASE_PORT (8400: the router; the instances BASE_PORT+1, +2; the KV port +91),
+#   PY (the directory of the python and tokenmill to run, .venv/bin).
 # A tiny check: CHAT_N=2 CHAT_ISL=32 CHAT_OSL=4 CHAT_RATE=4 LONG_N=1 LONG_ISL=64 LONG_OSL=4 LONG_RATE=4 \
-#   DTYPE=float32 KV_MEMORY=128MiB benchmarks/pd_disagg.sh /tmp/pd
+#   DTYPE=float32 KV_MEMORY=128MiB MAX_MODEL_LEN=512 benchmarks/pd_disagg.sh /tmp/pd
 set -euo pipefail
 OUT=${1:-benchmarks/runs/pd-disagg}
 PY=${PY:-.venv/bin}
 CHAT_N=${CHAT_N:-64}; CHAT_ISL=${CHAT_ISL:-200}; CHAT_OSL=${CHAT_OSL:-256}; CHAT_RATE=${CHAT_RATE:-0.5}
 LONG_N=${LONG_N:-8}; LONG_ISL=${LONG_ISL:-2000}; LONG_OSL=${LONG_OSL:-64}; LONG_RATE=${LONG_RATE:-0.0625}
 DTYPE=${DTYPE:-bfloat16}; KV_MEMORY=${KV_MEMORY:-1GiB}; MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
-SETUPS=${SETUPS:-colocated pd}
+SETUPS=${SETUPS:-colocated pd}; BASE_PORT=${BASE_PORT:-8400}
+ROUTER=http://127.0.0.1:$BASE_PORT
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
 grep -m1 flags /proc/cpuinfo > "$OUT/cpu-flags.txt" || true
@@ -40,13 +43,15 @@ wait_health() {  # $1: url, $2: pid, $3: log
   done
 }
 
-start_instance() {  # $1: index (port 840$1), $2: core, rest: flags
+instance() { echo "http://127.0.0.1:$((BASE_PORT + $1))"; }
+
+start_instance() {  # $1: index (port BASE_PORT + $1), $2: core, rest: flags
   local i=$1 core=$2; shift 2
-  OMP_NUM_THREADS=1 TOKENMILL_NO_PROGRESS=1 taskset -c "$core" $PY/tokenmill serve --port 840$i --dtype "$DTYPE" \
-    --max-model-len "$MAX_MODEL_LEN" --kv-cache-memory "$KV_MEMORY" --disable-log-stats "$@" \
+  OMP_NUM_THREADS=1 TOKENMILL_NO_PROGRESS=1 taskset -c "$core" $PY/tokenmill serve --port $((BASE_PORT + i)) \
+    --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" --kv-cache-memory "$KV_MEMORY" --disable-log-stats "$@" \
     > "$run/instance-$i.log" 2>&1 &
   PIDS+=($!)
-  wait_health "http://127.0.0.1:840$i" "${PIDS[-1]}" "$run/instance-$i.log"
+  wait_health "$(instance "$i")" "${PIDS[-1]}" "$run/instance-$i.log"
 }
 
 for setup in $SETUPS; do
@@ -55,28 +60,28 @@ for setup in $SETUPS; do
   case $setup in
     colocated)
       start_instance 1 0; start_instance 2 1
-      router=(--policy round_robin --backend http://127.0.0.1:8401 http://127.0.0.1:8402) ;;
+      router=(--policy round_robin --backend "$(instance 1)" "$(instance 2)") ;;
     pd)
-      start_instance 1 0 --kv-transfer-config '{"kv_connector": "TCPConnector", "kv_role": "kv_producer", "kv_port": 8491}'
+      start_instance 1 0 --kv-transfer-config '{"kv_connector": "TCPConnector", "kv_role": "kv_producer", "kv_port": '"$((BASE_PORT + 91))"'}'
       start_instance 2 1 --kv-transfer-config '{"kv_connector": "TCPConnector", "kv_role": "kv_consumer"}'
-      router=(--prefill http://127.0.0.1:8401 --decode http://127.0.0.1:8402) ;;
+      router=(--prefill "$(instance 1)" --decode "$(instance 2)") ;;
   esac
   # the router shares the cores, as an API server does
-  $PY/tokenmill router --port 8400 "${router[@]}" > "$run/router.log" 2>&1 &
+  $PY/tokenmill router --port "$BASE_PORT" "${router[@]}" > "$run/router.log" 2>&1 &
   PIDS+=($!)
-  wait_health http://127.0.0.1:8400 "${PIDS[-1]}" "$run/router.log"
+  wait_health "$ROUTER" "${PIDS[-1]}" "$run/router.log"
   mkdir -p "$run/chat" "$run/long"
-  $PY/tokenmill bench serve --base-url http://127.0.0.1:8400 --dataset random --num-prompts "$CHAT_N" \
+  $PY/tokenmill bench serve --base-url "$ROUTER" --dataset random --num-prompts "$CHAT_N" \
     --input-len "$CHAT_ISL" --output-len "$CHAT_OSL" --ignore-eos --request-rate "$CHAT_RATE" --arrival constant \
     --max-concurrency 256 --warmup 0 --seed 37 --output-dir "$run/chat" > "$run/chat/bench.txt" 2>&1 &
   chat=$!
-  $PY/tokenmill bench serve --base-url http://127.0.0.1:8400 --dataset random --num-prompts "$LONG_N" \
+  $PY/tokenmill bench serve --base-url "$ROUTER" --dataset random --num-prompts "$LONG_N" \
     --input-len "$LONG_ISL" --output-len "$LONG_OSL" --ignore-eos --request-rate "$LONG_RATE" --arrival poisson \
     --max-concurrency 256 --warmup 0 --seed 38 --output-dir "$run/long" > "$run/long/bench.txt" 2>&1 &
   long=$!
   wait "$chat" "$long"
-  for i in 1 2; do curl -s "http://127.0.0.1:840$i/metrics" > "$run/metrics-$i.txt"; done
-  curl -s http://127.0.0.1:8400/metrics > "$run/metrics-router.txt" || true
+  for i in 1 2; do curl -s "$(instance "$i")/metrics" > "$run/metrics-$i.txt"; done
+  curl -s "$ROUTER/metrics" > "$run/metrics-router.txt" || true
   cleanup
 done
 
@@ -105,8 +110,8 @@ for setup in setups:
     chat = json.load(open(f"{run}/chat/results.json"))["results"][0]
     long = json.load(open(f"{run}/long/results.json"))["results"][0]
     row = {"chat_itl_ms": pct(chat, "itl_ms"), "chat_ttft_ms": pct(chat, "ttft_ms"),
-           "long_ttft_ms": pct(long, "ttft_ms"), "errors": chat["errors"] + long["errors"],
-           "completed": chat["completed"] + long["completed"]}
+           "long_itl_ms": pct(long, "itl_ms"), "long_ttft_ms": pct(long, "ttft_ms"),
+           "errors": chat["errors"] + long["errors"], "completed": chat["completed"] + long["completed"]}
     if setup == "pd":
         decode = samples(f"{run}/metrics-2.txt")
         seconds = decode.get(("tokenmill:kv_transfer_fetch_seconds_sum", ()), 0.0)
@@ -116,6 +121,9 @@ for setup in setups:
         row["blocks_skipped"] = decode.get(("tokenmill:kv_transfer_blocks_total", (("kind", "skipped"),)), 0)
         row["fetch_failures"] = {dict(k[1])["reason"]: v for k, v in decode.items()
                                  if k[0] == "tokenmill:kv_transfer_fetch_failures_total"}
+        router = samples(f"{run}/metrics-router.txt")  # the router's placement: requests per stage
+        row["router_pd_requests"] = {dict(k[1])["stage"]: v for k, v in router.items()
+                                     if k[0] == "tokenmill_router:pd_requests_total"}
     summary[setup] = row
     print(setup, json.dumps(row))
 if {"pd", "colocated"} <= set(summary):

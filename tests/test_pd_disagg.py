@@ -9,11 +9,21 @@ instance recomputes, nothing leaks on either side). fp8 KV on both and a peer of
 engines of a tiny random Llama in this process, over the same TCP transport."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
 import httpx
 import pytest
 
-from helpers import API_KEY, engine_on, metric_value, save_tiny_llama, scrape_metrics, wait_until
+from helpers import (API_KEY, MODEL, TEXT, RouterProcess, engine_on, free_port, metric_value, save_tiny_llama,
+                     scrape_metrics, stop_process, wait_until)
 from tokenmill.config import KVTransferConfig
 from tokenmill.kv_transfer_params import KVTransferParams
 from tokenmill.sampling_params import SamplingParams
@@ -182,6 +192,265 @@ def test_blocks_no_decode_fetches_are_freed_after_the_timeout_and_stale_params_r
     assert d1.get("failed:unknown", 0) - d0.get("failed:unknown", 0) == 1
     assert d1["fetched"] == d0["fetched"] and d1["external"] == d0["external"] and d1["skipped"] == d0["skipped"]
     wait_until(lambda: transfer(decode)["usage"] == 0, 10, message="the decode instance's KV usage back to 0")
+
+
+# ---- behind `tokenmill router --prefill ... --decode ...` and vLLM's own proxy ----
+
+class Relay:
+    """A TCP relay in front of an instance: the network path to it, so that a test can break the path while the
+    instance lives on (the module's instances serve the tests after). `down()` closes its port (a host gone:
+    connections refused); `cut_next_post(n)` drops the next POST's connection after n server-sent events of its
+    answer (a host gone mid-stream)."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.cut_after: int | None = None
+        self.cuts = 0
+        self.open: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def down(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone leaves the port listening)
+        self.listener.close()
+        for s in list(self.open):  # the connections the router keeps alive go too
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def cut_next_post(self, n_events: int) -> None:
+        self.cut_after = n_events
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.target))
+        self.open.add(client)
+        conn = {"limit": None, "seen": b""}  # this connection's cut, armed by a POST on it (connections are reused)
+        threading.Thread(target=self._requests, args=(client, upstream, conn), daemon=True).start()
+        try:
+            while data := upstream.recv(65536):
+                if conn["limit"] is not None:
+                    seen = conn["seen"] + data
+                    starts = [i for i in range(len(seen)) if seen.startswith(b"data: ", i)]
+                    if len(starts) > conn["limit"]:  # send up to the event after the n-th, then drop
+                        client.sendall(seen[len(conn["seen"]):starts[conn["limit"]]] if starts[conn["limit"]] >
+                                       len(conn["seen"]) else b"")
+                        self.cuts += 1
+                        break
+                    conn["seen"] = seen
+                client.sendall(data)
+        except OSError:
+            pass
+        for s in (client, upstream):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        self.open.discard(client)
+
+    def _requests(self, client: socket.socket, upstream: socket.socket, conn: dict) -> None:
+        try:
+            while data := client.recv(65536):
+                if data.startswith(b"POST"):
+                    with self.lock:
+                        if self.cut_after is not None:
+                            conn.update(limit=self.cut_after, seen=b"")
+                            self.cut_after = None
+                upstream.sendall(data)
+        except OSError:
+            pass
+
+
+def _port(server) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def pd_router(pd):
+    """`tokenmill router --prefill F P --decode G D`, round robin: F and G are relays to the prefill instance P
+    and the decode instance D (so every request reaches the one instance of its role, whichever the router picks,
+    and a relay can fail while the instance behind it serves on). Health checks 300 s apart: the requests, not a
+    check, meet a relay that is down."""
+    prefill, decode = pd["pd-prefill"], pd["pd-decode"]
+    relays = {"prefill": Relay(_port(prefill)), "decode": Relay(_port(decode))}
+    router = RouterProcess(["--prefill", relays["prefill"].url, prefill.url, "--decode", relays["decode"].url,
+                            decode.url, "--policy", "round_robin", "--health-check-interval", "300"])
+    yield router, relays
+    router.stop()
+    for relay in relays.values():
+        relay.down()
+
+
+def router_metric(router: RouterProcess, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    for family in text_string_to_metric_families(httpx.get(router.url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+def post(url: str, path: str, body: dict, **headers) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}", **headers}, timeout=120)
+
+
+def sse(url: str, path: str, body: dict) -> tuple[str, list[dict]]:
+    """A streamed request's text and its events (the last one [DONE], checked)."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    events = [json.loads(line) for line in lines[:-1]]
+    assert not any("error" in e for e in events), events
+    text = "".join((c.get("text") or (c.get("delta") or {}).get("content") or "") for e in events
+                   for c in e["choices"])
+    return text, events
+
+
+def text_of(body: dict) -> str:
+    choice = body["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+REQUESTS = [  # (path, the request less its prompt field)
+    ("/v1/completions", {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}),
+]
+
+
+def fresh_text(i: int) -> str:
+    """~120 tokens of TEXT from a character offset no other test starts at: a prompt no instance has cached."""
+    return TEXT[53 + 233 * i:53 + 233 * i + 500]
+
+
+def with_prompt(path: str, common: dict, text: str) -> dict:
+    if path == "/v1/completions":
+        return {**common, "prompt": text}
+    return {**common, "messages": [{"role": "user", "content": text}]}
+
+
+def test_through_the_router_outputs_are_the_single_instances(pd, pd_router):
+    """Completions and chat, streamed and not, through `tokenmill router --prefill --decode` in front of real
+    instances: the text and usage are the single instance's, the decode instance took its prompt from the prefill
+    instance (prompt tokens by source external_kv_transfer), the prefill instance holds nothing after, and the
+    router counts each stage on the instance it placed it on."""
+    router, relays = pd_router
+    single, prefill, decode = pd["default"], pd["pd-prefill"], pd["pd-decode"]
+    before = transfer(decode)
+    for i, (path, common) in enumerate(REQUESTS * 2):
+        body = with_prompt(path, common, fresh_text(i))
+        reference = ok(post(single.url, path, body))
+        if i < 2:
+            r = post(router.url, path, body)
+            out = ok(r)
+            assert text_of(out) == text_of(reference) and out["usage"] == reference["usage"]
+            assert "kv_transfer_params" not in out or out["kv_transfer_params"] is None
+        else:
+            streamed = {**body, "stream_options": {"include_usage": True}}
+            text, events = sse(router.url, path, streamed)
+            alone, reference_events = sse(single.url, path, streamed)
+            assert text == alone == text_of(reference) and events[-1]["usage"] == reference_events[-1]["usage"]
+            assert len({e["id"] for e in events}) == 1
+    after = transfer(decode)
+    assert after["external"] - before["external"] >= 4 * 16 and after["fetched"] - before["fetched"] >= 4
+    wait_until(lambda: transfer(prefill)["pinned"] == 0, 10, message="the prefill instance to free the blocks")
+    counted = {(stage, url): router_metric(router, "tokenmill_router:pd_requests_total", stage=stage, replica=url)
+               for stage in ("prefill", "decode") for url in (relays[stage].url, pd[f"pd-{stage}"].url)}
+    assert counted == {key: 2 for key in counted}, counted  # round robin: two of the four on each
+
+
+def test_through_the_router_a_decode_cut_mid_stream_is_resumed(pd, pd_router):
+    """The path to the decode instance drops after the first events of a stream (the relay G cuts it): the router
+    resumes the stream on the other decode URL (the same instance, asked by token ids, recomputing) and the client
+    reads the single instance's text under one id, with no error. The instance's request on the cut connection
+    is aborted: it holds no block after."""
+    router, relays = pd_router
+    single, decode = pd["default"], pd["pd-decode"]
+    path, common = REQUESTS[1]
+    body = {**with_prompt(path, common, fresh_text(5)), "max_tokens": 24, "ignore_eos": True}
+    reference = ok(post(single.url, path, body))
+    resumed = router_metric(router, "tokenmill_router:resumed_streams_total", replica=decode.url)
+    for _ in range(2):  # round robin: one of two decodes goes through the relay
+        relays["decode"].cut_next_post(4)
+        cuts = relays["decode"].cuts
+        text, events = sse(router.url, path, body)
+        assert text == text_of(reference) and len({e["id"] for e in events}) == 1
+        if relays["decode"].cuts > cuts:
+            break
+        relays["decode"].cut_after = None
+    assert relays["decode"].cuts == cuts + 1
+    assert router_metric(router, "tokenmill_router:resumed_streams_total", replica=decode.url) == resumed + 1
+    wait_until(lambda: transfer(decode)["usage"] == 0, 10, message="the decode instance's KV usage back to 0")
+
+
+def test_through_the_router_a_prefill_instance_that_is_down_is_replaced(pd, pd_router):
+    """The relay F to the prefill instance goes down (connection refused, as a dead host): the requests round robin
+    sends there are prefilled on the other prefill URL and decoded, with the single instance's text; the
+    failover is counted and F ejected."""
+    router, relays = pd_router
+    single = pd["default"]
+    relays["prefill"].down()
+    for i in range(2):
+        path, common = REQUESTS[i]
+        body = with_prompt(path, common, fresh_text(6 + i))
+        r = post(router.url, path, body)
+        assert text_of(ok(r)) == text_of(ok(post(single.url, path, body)))
+        assert r.headers["x-tokenmill-prefill-replica"] == pd["pd-prefill"].url
+    assert router_metric(router, "tokenmill_router:pd_prefill_failovers_total", replica=relays["prefill"].url) == 1
+    assert router_metric(router, "tokenmill_router:replica_healthy", replica=relays["prefill"].url) == 0
+
+
+# vLLM's own proxy for disaggregated serving, byte for byte: tests/v1/kv_connector/nixl_integration/
+# toy_proxy_server.py of https://github.com/local-inference-lab/vllm at commit 9aaf83ef502fc37bc647f6e474314d48ba36cd1c
+# (Apache-2.0, its SPDX header kept), committed as a test fixture since the tests reach no network. It imports
+# only argparse, httpx, fastapi and uvicorn; its git blob id is checked, so that it stays unchanged.
+TOY_PROXY = Path(__file__).parent / "data" / "vllm_toy_proxy_server.py"
+TOY_PROXY_BLOB = "1a910c8d24dcb2343fa70083874c48445c265fb2"
+
+
+@pytest.fixture(scope="module")
+def toy_proxy(pd):
+    """vLLM's toy proxy (unchanged) in front of the prefill and the decode instance, started with its own flags;
+    it sends OPENAI_API_KEY as the bearer token."""
+    data = TOY_PROXY.read_bytes()
+    assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == TOY_PROXY_BLOB, "the proxy was changed"
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(TOY_PROXY), "--port", str(port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
+         str(_port(pd["pd-prefill"])), "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(_port(pd["pd-decode"]))],
+        env={**os.environ, "OPENAI_API_KEY": API_KEY}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(url + "/healthcheck", timeout=2).status_code == 200, 30, 0.2,
+               message=lambda: f"vLLM's toy proxy to start (exit {proc.poll()})", retry_on=(httpx.HTTPError,))
+    yield url
+    stop_process(proc, 10)
+
+
+def test_vllms_own_proxy_in_front_of_the_instances(pd, toy_proxy):
+    """A completion (not streamed) and a chat (streamed) through vLLM's toy proxy: the single instance's text and
+    usage, the decode instance's prompt taken from the prefill instance, nothing left pinned."""
+    single, prefill, decode = pd["default"], pd["pd-prefill"], pd["pd-decode"]
+    before = transfer(decode)
+    path, common = REQUESTS[0]
+    body = with_prompt(path, common, fresh_text(8))
+    out, reference = ok(post(toy_proxy, path, body)), ok(post(single.url, path, body))
+    assert text_of(out) == text_of(reference) and out["usage"] == reference["usage"]
+    path, common = REQUESTS[1]
+    body = {**with_prompt(path, common, fresh_text(9)), "stream_options": {"include_usage": True}}
+    (text, events), (alone, reference_events) = sse(toy_proxy, path, body), sse(single.url, path, body)
+    assert text == alone and events[-1]["usage"] == reference_events[-1]["usage"]
+    after = transfer(decode)
+    assert after["external"] - before["external"] >= 2 * 16 and after["fetched"] - before["fetched"] >= 2
+    wait_until(lambda: transfer(prefill)["pinned"] == 0, 10, message="the prefill instance to free the blocks")
 
 
 def test_a_prefill_instance_killed_before_the_fetch_costs_a_recomputation(pd, prompts, servers):
