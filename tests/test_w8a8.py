@@ -177,7 +177,7 @@ def test_w8a8_model_agrees_with_dense_and_keeps_perplexity(engines, tokenizer):
         ids = tokenizer.encode(f.read(), add_special_tokens=False)
     # agreement: 8 prompts cut from the text, the dense model's greedy continuations teacher-forced into w8a8
     prompts = [ids[250 * i:250 * i + 20 + 9 * i] for i in range(8)]
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
     refs = [o.outputs[0].token_ids for o in dense.generate(prompts, greedy, use_tqdm=False)]
     gaps = [g for case, _ in teacher_forced_gaps(w8a8, prompts, refs) for g in case]
     agree = sum(g <= NEAR_TIE for g in gaps) / len(gaps)
