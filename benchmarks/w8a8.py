@@ -6,11 +6,12 @@ kernels are chosen once per process:
 - engine: a --tokens prefill (one prompt, max_tokens 1) through the offline engine of the default model, dense
   (--quantization none) against --quantization w8a8, in each --dtypes (bfloat16 where the CPU has native bf16:
   the serving dtype; float32, the dense path of CPUs without it). tok/s of the fastest of --repeats runs.
-- linears: SmolLM2-135M's four decoder linears at --tokens rows, dense (oneDNN on a prepacked weight, as the
-  model runs them) against w8a8_linear; ms per call, fastest of those made in --seconds.
+- linears: SmolLM2-135M's four decoder linears at --linear-rows rows (default: 1, 8 and --tokens), dense as the
+  model runs them (the small-M kernel up to its 8 rows where it serves the dtype, else oneDNN on a prepacked
+  weight) against w8a8_linear; ms per call, fastest of those made in --seconds.
 
     .venv/bin/python benchmarks/w8a8.py [--tokens 512] [--repeats 5] [--threads 2] [--isas avx512,avx2]
-        [--dtypes bfloat16,float32] [--skip-engine] [--skip-linears]
+        [--dtypes bfloat16,float32] [--linear-rows 1,8,512] [--skip-engine] [--skip-linears]
 
 Timings on a shared machine mean little: run it on a quiet one. A smoke run: --tokens 32 --repeats 1
 --seconds 0.05."""
@@ -60,20 +61,26 @@ def linear_rows(args) -> list[dict]:
     import torch
 
     from tokenmill.kernels import cpu_ops
-    from tokenmill.models.linear import linear, pack_weight
+    from tokenmill.models.linear import SMALL_M_MAX_ROWS, linear, pack_small_m, pack_weight
     from tokenmill.models.quantization import W8A8Weight
     ops, rows = cpu_ops(), []
+    counts = [int(r) for r in args.linear_rows.split(",")] if args.linear_rows else [1, 8, args.tokens]
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for name, (n, k) in SHAPES.items():
             w = torch.randn(n, k) * 0.02
             dense, packed = w.to(dtype), pack_weight(w.to(dtype))
+            small = pack_small_m(ops, dense, None)
             q = W8A8Weight(w)
-            x = torch.randn(args.tokens, k).to(dtype)
-            td = best_of(lambda: linear(x, dense, None, packed), min_seconds=args.seconds)
-            tq = best_of(lambda: ops.w8a8_linear(x, q.qweight, q.meta, None, n), min_seconds=args.seconds)
-            rows.append({"measure": "linear", "dtype": dtype_name, "shape": name, "dense_ms": td * 1e3,
-                         "w8a8_ms": tq * 1e3})
+            for m in counts:
+                x = torch.randn(m, k).to(dtype)
+                if small is not None and m <= SMALL_M_MAX_ROWS:
+                    td = best_of(lambda: ops.small_m_linear(x, small, None, n), min_seconds=args.seconds)
+                else:
+                    td = best_of(lambda: linear(x, dense, None, packed), min_seconds=args.seconds)
+                tq = best_of(lambda: ops.w8a8_linear(x, q.qweight, q.meta, None, n), min_seconds=args.seconds)
+                rows.append({"measure": "linear", "dtype": dtype_name, "shape": name, "rows": m,
+                             "dense_ms": td * 1e3, "w8a8_ms": tq * 1e3})
     return rows
 
 
@@ -94,6 +101,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512, help="prefill length (engine) and rows (linears)")
     parser.add_argument("--repeats", type=int, default=5, help="engine prefills per figure (the fastest counts)")
     parser.add_argument("--seconds", type=float, default=0.5, help="time spent per linear figure")
+    parser.add_argument("--linear-rows", default=None, help="rows of the linear figures (default: 1,8,--tokens)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--isas", default=None, help="default: every ISA build this CPU runs")
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -110,6 +118,7 @@ def main() -> None:
     print(f"CPU flags: {' '.join(flags)}; threads {args.threads}; {args.tokens} tokens")
     argv = ["--tokens", str(args.tokens), "--repeats", str(args.repeats), "--seconds", str(args.seconds),
             "--threads", str(args.threads), "--dtypes", args.dtypes]
+    argv += ["--linear-rows", args.linear_rows] if args.linear_rows else []
     argv += ["--skip-engine"] * args.skip_engine + ["--skip-linears"] * args.skip_linears
     for isa in isas:
         env = {**os.environ, "TOKENMILL_CPU_ISA": isa, "TOKENMILL_NO_PROGRESS": "1"}
@@ -122,7 +131,7 @@ def main() -> None:
         print(f"\nbuild {isa}, w8a8 path {result['path']}")
         for r in result["rows"]:
             if r["measure"] == "linear":
-                print(f"  linear {r['shape']:>8} {r['dtype']:>9} x{args.tokens}: dense {r['dense_ms']:8.3f} ms  "
+                print(f"  linear {r['shape']:>8} {r['dtype']:>9} x{r['rows']:<4}: dense {r['dense_ms']:8.3f} ms  "
                       f"w8a8 {r['w8a8_ms']:8.3f} ms  ({r['dense_ms'] / r['w8a8_ms']:.2f}x)")
         engine = {(r["dtype"], r["quantization"]): r["tok_s"] for r in result["rows"] if r["measure"] == "engine"}
         for dtype in args.dtypes.split(","):

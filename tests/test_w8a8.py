@@ -141,6 +141,32 @@ def test_w8a8_refused_where_the_kernels_cannot_run(monkeypatch):
         quantization_kernels("w8a8", False, torch.float32, torch.device("cpu"))
 
 
+def test_w8a8_quantizes_a_dense_checkpoint_at_load(tokenizer, tmp_path):
+    """A safetensors checkpoint (an untied lm_head, down_proj's K = 100: a tail of the 64-K blocks): every decoder
+    linear becomes a W8A8Weight, the embedding and the lm_head stay dense, and the logprobs follow the dense
+    model's (a tiny random model: measured within 0.13 at logprobs near -12; a wrong layout is off by units)."""
+    from helpers import save_tiny_llama
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.models.linear import Linear
+    save_tiny_llama(tmp_path, vocab_size=len(tokenizer), intermediate_size=100, initializer_range=0.15,
+                    tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id)
+    tokenizer.save_pretrained(tmp_path)
+    llms = {q: LLM(str(tmp_path), dtype="float32", device="cpu", quantization=q, max_model_len=128,
+                   kv_cache_memory="16MiB") for q in ("none", "w8a8")}
+    model = llms["w8a8"].engine.runner.model
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert model.lm_head.quant is None and isinstance(model.embed_tokens.weight, torch.Tensor)
+    assert all(isinstance(m.quant, W8A8Weight) for name, m in linears.items() if name != "lm_head")
+    assert model.layers[0].mlp.down_proj.quant.in_features == 100
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    prompt = list(range(1000, 1060))
+    logprobs = {q: torch.tensor([e.logprob for e in llm.generate([prompt], params, use_tqdm=False)[0]
+                                 .prompt_logprobs[1:]]) for q, llm in llms.items()}
+    assert (logprobs["w8a8"] - logprobs["none"]).abs().max() <= 0.5
+
+
 # ---- engine level: the default model, float32, w8a8 against dense ----
 
 WINDOW = 500  # tokens per perplexity window (the engines' max_model_len is 512)

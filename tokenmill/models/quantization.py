@@ -13,12 +13,13 @@ d and m are float16, as GGUF stores them, so a GGUF tensor is repacked without a
 (tokenmill/kernels/csrc/quant_linear.cpp) read the layout that `pack` makes, documented there.
 
 `w8a8` quantizes the activations too (W8A8Weight): int8 weights per output channel, each token's activations
-quantized to int8 at run time (a scale per 64 K) by the kernel (tokenmill/kernels/csrc/w8a8.cpp), int32 dot products. Those are
-what makes a prefill faster (integer dot products do 2-4 times the float multiply-adds per instruction), where
-the formats above only shrink the weight stream of decoding. The embedding (and a tied lm_head) stays dense.
+quantized to int8 at run time (a scale per 64 K) by the kernel (tokenmill/kernels/csrc/w8a8.cpp), int32 dot
+products. Those are what makes a prefill faster (integer dot products do 2-4 times the float multiply-adds per
+instruction), where the formats above only shrink the weight stream of decoding. The embedding and the lm_head
+stay dense.
 
 Where the kernels cannot run (TOKENMILL_CPU_ISA=none, CUDA, float16), a quantized flag the user chose (int8, int4,
-gguf) fails the start-up, and `--quantization none` serves dense weights. `auto`, the default, means "quantized
+w8a8, gguf) fails the start-up, and `--quantization none` serves dense weights. `auto`, the default, means "quantized
 where the kernels serve it": there it dequantizes the GGUF at load and says so in the log, so that the default
 model starts on a GPU."""
 from __future__ import annotations

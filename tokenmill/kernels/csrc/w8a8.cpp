@@ -131,8 +131,8 @@ __attribute__((target("avx512vnni,avx512bw,avx512f"))) void block_vnni(const uin
   for (int64_t b = 0; b < nb; ++b) {
     __m512i acc[R][G];
     for (int g = 0; g < G; ++g) {  // start from -128 sum_{k in b} wq: the shift of the activations
-      const __m512i start = _mm512_cvtps_epi32(_mm512_sub_ps(_mm512_setzero_ps(),
-                                                             _mm512_loadu_ps(meta + g * meta_stride + (1 + b) * kGroup)));
+      const __m512 comp = _mm512_loadu_ps(meta + g * meta_stride + (1 + b) * kGroup);
+      const __m512i start = _mm512_cvtps_epi32(_mm512_sub_ps(_mm512_setzero_ps(), comp));
       for (int r = 0; r < R; ++r) acc[r][g] = start;
     }
     const uint8_t* xb0 = x + b * kBlock;
