@@ -338,6 +338,22 @@ def teacher_forced_agreement(llm, prompts: list[list[int]], refs: list[list[int]
     return sum(top1) / len(top1), sum(strict) / len(strict)
 
 
+NEAR_TIE = 0.25  # logits: the bound of the tie-aware agreement criterion (teacher_forced_gaps)
+
+
+def teacher_forced_gaps(llm, prompts: list[list[int]], refs: list[list[int]]) -> list[tuple[list[float], list[float]]]:
+    """The project's tie-aware agreement criterion with another model or engine (tests/test_quantization.py):
+    per prompt, fed the reference's continuation, at each of its positions (gap, margin): llm's top logprob minus
+    its logprob of the reference's token (0 where its top token is the reference's; a difference of logprobs is
+    one of logits), and llm's top logprob minus its second. Agreement at a position: gap <= NEAR_TIE."""
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    outs = llm.generate([p + r for p, r in zip(prompts, refs)], params, use_tqdm=False)
+    return [([e.top_logprobs[0] - e.logprob for e in o.prompt_logprobs[len(p):]],
+             [e.top_logprobs[0] - e.top_logprobs[1] for e in o.prompt_logprobs[len(p):]])
+            for o, p in zip(outs, prompts)]
+
+
 def _prompt_logprobs_by_decode_steps(llm, request_id: str, prompt: list[int], ref: list[int], params):
     """The prompt logprobs of prompt + ref with the prompt in one step and ref one token per step (the engine
     runs nothing else meanwhile): the scheduler's token budget set to the prompt, then to 1. On one torch thread,

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from helpers import teacher_forced_agreement
+from helpers import NEAR_TIE, teacher_forced_agreement, teacher_forced_gaps
 from tokenmill.kernels import load_ops, runnable_isas
 from tokenmill.models.linear import linear, pack_weight
 from tokenmill.models.quantization import QuantizedTensor, QuantizedWeight, from_gguf, quantize
@@ -187,9 +187,6 @@ def test_kept_quantized_agrees_with_dequantized_and_int8_with_float32(engines, t
     assert figures["int8"] >= 0.98 and figures["int8_small"] >= 0.98
 
 
-NEAR_TIE = 0.25  # logits: the bound of the agreement criterion below
-
-
 def _llamacpp_cases() -> tuple[list[dict], int]:
     if not os.path.exists(LLAMACPP):
         pytest.skip("no stored llama.cpp ids: run tests/data/make_llamacpp_greedy.py (its docstring says how)")
@@ -201,12 +198,7 @@ def _llamacpp_cases() -> tuple[list[dict], int]:
 def _teacher_forced_on_llamacpp(llm, cases: list[dict]) -> list[tuple[list[float], list[float]]]:
     """Per case, fed llama.cpp's continuation: at each of its positions, (gap, margin): our top logprob minus
     our logprob of llama.cpp's token (0 where our top token is theirs), and our top logprob minus our second."""
-    from tokenmill import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
-    outs = llm.generate([c["prompt_ids"] + c["output_ids"] for c in cases], params, use_tqdm=False)
-    return [([e.top_logprobs[0] - e.logprob for e in o.prompt_logprobs[len(c["prompt_ids"]):]],
-             [e.top_logprobs[0] - e.top_logprobs[1] for e in o.prompt_logprobs[len(c["prompt_ids"]):]])
-            for o, c in zip(outs, cases)]
+    return teacher_forced_gaps(llm, [c["prompt_ids"] for c in cases], [c["output_ids"] for c in cases])
 
 
 @pytest.mark.slow

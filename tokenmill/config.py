@@ -294,8 +294,11 @@ class EngineConfig(CliConfig):
     quantization: str = field(default="auto", metadata={
         "help": "weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized, other types are dequantized; an HF "
                 "model stays as it is) | none (dequantize everything to --dtype) | gguf (auto, but only for a GGUF) | "
-                "int8 (symmetric, per block of 32) | int4 (group-wise, group 32, with a min): quantized at load",
-        "choices": ["auto", "none", "gguf", "int8", "int4"]})
+                "int8 (per block of 32, with a min) | int4 (group-wise, group 32, with a min): weight-only, "
+                "quantized at load | w8a8 (int8 weights per output channel and int8 activations per token at run "
+                "time, int32 dot products: faster prefill; quantized at load from a dense or GGUF checkpoint, "
+                "CPU only; the embedding and lm_head stay dense)",
+        "choices": ["auto", "none", "gguf", "int8", "int4", "w8a8"]})
     load_format: str = field(default="auto", metadata={
         "help": "auto | safetensors (an HF directory) | gguf (a GGUF file); vLLM's other formats are refused: "
                 "tokenmill never unpickles weights"})

@@ -61,7 +61,9 @@ def pack_small_m(ops, weight: torch.Tensor | None, packed: torch.Tensor | None) 
 
 # A weight kept quantized (tokenmill/models/quantization.py) always calls the quantized kernel, which picks its
 # own path by rows (integer dot products for decode-sized batches, dequantize + oneDNN for prefill chunks; the
-# measured threshold is in quant_linear.cpp). No dense copy is kept.
+# measured threshold is in quant_linear.cpp); a W8A8 weight (`--quantization w8a8`) calls w8a8.cpp's kernel at
+# every row count: int8 dot products pay off for prefill chunks (compute) and decode batches (a byte per weight).
+# No dense copy is kept.
 
 
 class Linear(nn.Linear):

@@ -22,8 +22,10 @@ from tokenmill.models.llama import RotaryEmbedding
 from tokenmill.models.quantization import (
     BLOCK,
     GGUF_KEPT_TYPES,
+    LOAD_TIME,
     QuantizedEmbedding,
     QuantizedWeight,
+    W8A8Weight,
     attach_kernels,
     describe_weights,
     quantization_kernels,
@@ -134,7 +136,15 @@ def _count_safetensors(model_path: str) -> int:
 
 def quantize_linears(model: nn.Module, kind: str, ops) -> None:
     """`--quantization int8|int4`: every linear weight (and a tied embedding, which is also the lm_head) with K a
-    multiple of 32 is quantized at load, replacing the dense weight."""
+    multiple of 32 is quantized at load, replacing the dense weight. `w8a8`: every linear weight of the decoder
+    layers, any K; the embedding and the lm_head stay dense (as vLLM's W8A8 checkpoints leave them: the logits
+    are the most sensitive product, and a prefill computes them for its last token only)."""
+    if kind == "w8a8":
+        lm_head = getattr(model, "lm_head", None)
+        for module in model.modules():
+            if isinstance(module, Linear) and module.weight is not None and module is not lm_head:
+                module.set_quantized(W8A8Weight(module.weight), ops)
+        return
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None and module.in_features % BLOCK == 0:
             module.set_quantized(QuantizedWeight(quantize(module.weight, kind)), ops)
@@ -186,7 +196,7 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_po
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
     model = model.to(dtype).eval()
-    if quant_ops is not None and quantization in ("int8", "int4"):
+    if quant_ops is not None and quantization in LOAD_TIME:
         quantize_linears(model, quantization, quant_ops)
     attach_kernels(model, quant_ops)
     logger.info("weights (--quantization %s): %s", quantization, describe_weights(model))

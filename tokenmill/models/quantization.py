@@ -12,8 +12,14 @@ Two block formats (32 weights of one output row per block) cover everything serv
 d and m are float16, as GGUF stores them, so a GGUF tensor is repacked without any rounding. The kernels
 (tokenmill/kernels/csrc/quant_linear.cpp) read the layout that `pack` makes, documented there.
 
+`w8a8` quantizes the activations too (W8A8Weight): int8 weights per output channel, each token's activations
+quantized to int8 at run time (a scale per 64 K) by the kernel (tokenmill/kernels/csrc/w8a8.cpp), int32 dot
+products. Those are what makes a prefill faster (integer dot products do 2-4 times the float multiply-adds per
+instruction), where the formats above only shrink the weight stream of decoding. The embedding and the lm_head
+stay dense.
+
 Where the kernels cannot run (TOKENMILL_CPU_ISA=none, CUDA, float16), a quantized flag the user chose (int8, int4,
-gguf) fails the start-up, and `--quantization none` serves dense weights. `auto`, the default, means "quantized
+w8a8, gguf) fails the start-up, and `--quantization none` serves dense weights. `auto`, the default, means "quantized
 where the kernels serve it": there it dequantizes the GGUF at load and says so in the log, so that the default
 model starts on a GPU."""
 from __future__ import annotations
@@ -29,7 +35,8 @@ logger = logging.getLogger("tokenmill.quantization")
 
 BLOCK = 32  # weights per block (one scale, one min)
 GROUP = 16  # outputs per packed group: one 64-byte vector holds 16 outputs x 4 K
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "w8a8")
+LOAD_TIME = ("int8", "int4", "w8a8")  # quantized at load from a dense (or dequantized GGUF) weight
 GGUF_KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # GGUF types served quantized; others are dequantized at load
 
 
@@ -166,23 +173,73 @@ class QuantizedEmbedding(nn.Module):
         return self.quant.dequantize_rows(ids).to(self.dtype)
 
 
-def quant_linear(ops, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+W8A8_BLOCK = 64  # K per activation scale in the W8A8 kernel (w8a8.cpp says why)
+
+
+class W8A8Weight:
+    """`--quantization w8a8`: a float [N, K] weight as int8 per output channel, symmetric (sw = amax / 127,
+    q = round(w / sw) in -127..127: never -128, which the AVX2 kernel's sign trick needs), in the layout
+    w8a8.cpp reads: qweight [N/16, K/4, 16, 4] int8 (16 outputs x 4 consecutive K per 64 bytes; N padded to 16,
+    K to 64, with zeros) and meta [N/16, 1 + K/64, 16] float32: per group of 16 outputs the scales, then per
+    64-K block 128 times the block's sum of q (the VNNI path's compensation for its unsigned activations; exact
+    integers). One scale per output (not per block of 32 as int8's) keeps each block's sum an integer product
+    that the kernel scales once per token and block."""
+    kind = source = "w8a8"
+
+    def __init__(self, weight: torch.Tensor):
+        n, k = weight.shape
+        self.out_features, self.in_features = n, k
+        w = weight.detach().float()
+        amax = w.abs().amax(1)
+        # 127 / amax as one division (a scalar / tensor in torch multiplies by a rounded reciprocal)
+        inv = torch.where(amax > 0, torch.tensor(127.0).div(amax), torch.zeros(()))
+        q = torch.round(w * inv.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        groups, blocks = -(-n // GROUP), -(-k // W8A8_BLOCK)
+        padded = torch.zeros(groups * GROUP, blocks * W8A8_BLOCK, dtype=torch.int8)
+        padded[:n, :k] = q
+        self.qweight = padded.view(groups, GROUP, blocks * W8A8_BLOCK // 4, 4).permute(0, 2, 1, 3).contiguous()
+        scales = torch.zeros(groups * GROUP)
+        scales[:n] = amax / 127
+        sums = 128 * padded.view(groups * GROUP, blocks, W8A8_BLOCK).sum(-1, dtype=torch.int32)  # <= 2^21: exact
+        meta = torch.cat([scales.unsqueeze(1), sums.float()], 1)  # [N padded, 1 + blocks]
+        self.meta = meta.view(groups, GROUP, 1 + blocks).permute(0, 2, 1).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.meta.nbytes
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.meta[:, 0].reshape(-1)[:self.out_features]
+
+    def int8_rows(self) -> torch.Tensor:
+        """The [N, K] int8 quants (the packing undone)."""
+        groups, k4 = self.qweight.shape[:2]
+        q = self.qweight.permute(0, 2, 1, 3).reshape(groups * GROUP, k4 * 4)
+        return q[:self.out_features, :self.in_features]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.int8_rows().float() * self.scales.unsqueeze(1)
+
+
+def quant_linear(ops, x: torch.Tensor, weight: QuantizedWeight | W8A8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ weight^T (+ bias) on the quantized kernel, in x's dtype."""
-    out = ops.quant_linear(x.reshape(-1, weight.in_features), weight.qweight, weight.meta, bias,
-                           weight.out_features)
+    op = ops.w8a8_linear if isinstance(weight, W8A8Weight) else ops.quant_linear
+    out = op(x.reshape(-1, weight.in_features), weight.qweight, weight.meta, bias, weight.out_features)
     return out.view(*x.shape[:-1], weight.out_features)
 
 
 def quantization_kernels(quantization: str, is_gguf: bool, dtype: torch.dtype, device: torch.device,
                          gguf_has_quantized: bool = True):
     """The CPU kernels that will serve weights kept quantized, or None where weights stay (or become) dense.
-    Where quantized weights were asked for (int8, int4, gguf) and the kernels cannot run, this refuses to start
+    Where quantized weights were asked for (int8, int4, w8a8, gguf) and the kernels cannot run, this refuses to start
     rather than serve dense weights under a quantized flag; --quantization none asks for the dense weights. With
     auto, a GGUF holding Q4_0/Q4_1/Q8_0 tensors (gguf_has_quantized) is dequantized, with a log line."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown --quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}")
     if quantization == "gguf" and not is_gguf:
-        raise ValueError("--quantization gguf needs a GGUF model; use int8 or int4 to quantize this one at load")
+        raise ValueError("--quantization gguf needs a GGUF model; use int8, int4 or w8a8 to quantize this one at "
+                         "load")
     if quantization == "none" or (quantization == "auto" and not is_gguf):
         return None
     from tokenmill.kernels import cpu_ops
@@ -190,7 +247,7 @@ def quantization_kernels(quantization: str, is_gguf: bool, dtype: torch.dtype, d
     if ops is None and quantization == "auto" and gguf_has_quantized:
         logger.warning("quantization auto: no quantized kernels for %s in %s; the GGUF's quantized tensors are "
                        "dequantized to %s at load", device.type, dtype, str(dtype).removeprefix("torch."))
-    elif ops is None and quantization in ("int8", "int4", "gguf"):
+    elif ops is None and quantization in (*LOAD_TIME, "gguf"):
         why = ("the quantized kernels are CPU kernels" if device.type != "cpu" else
                "they run in float32 and bfloat16" if dtype not in (torch.float32, torch.bfloat16) else
                "the CPU kernels are off (the log says why: TOKENMILL_CPU_ISA, or a failed build)")

@@ -6,7 +6,8 @@
 // then the small-M layouts of qkv_w, o_w, gate_up_w, down_w]; an empty tensor stands for a bias or norm the
 // model does not have, or a small-M layout this CPU has no kernel for. Batches of up to small_m_max_rows tokens
 // use the small-M kernel. A linear kept quantized passes (qweight uint8, meta) in its two slots instead and
-// always runs quant_linear (quant_linear.cpp). kv_scales: per layer, the KV cache's float32
+// always runs quant_linear (quant_linear.cpp); a W8A8 one (int8 qweight, float32 meta) runs w8a8_linear
+// (w8a8.cpp). kv_scales: per layer, the KV cache's float32
 // [2, kv_heads, head_dim] scales (read only when the cache is one-byte: --kv-cache-dtype; then the attention
 // also reads this step's own K and V as computed).
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -47,6 +48,10 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   if (packed.scalar_type() == at::kByte) {  // kept quantized: (qweight, meta) in place of the two layouts
     RECORD_FUNCTION("tokenmill::quant_linear", std::vector<c10::IValue>());
     return TM_NAMESPACE::quant_linear(x, packed, small_m, present(bias), out_features);
+  }
+  if (packed.scalar_type() == at::kChar) {  // W8A8: (qweight int8, meta) in place of the two layouts
+    RECORD_FUNCTION("tokenmill::w8a8_linear", std::vector<c10::IValue>());
+    return TM_NAMESPACE::w8a8_linear(x, packed, small_m, present(bias), out_features);
   }
   if (small_m.numel() > 0 && x.size(0) <= small_m_max_rows) {
     RECORD_FUNCTION("tokenmill::small_m_linear", std::vector<c10::IValue>());

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "kv_quant.h"
 
@@ -49,6 +50,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& meta, int64_t out_features,
                             at::ScalarType dtype);
 std::string quant_linear_path();
+
+// w8a8.cpp: y = x W^T (+ bias) with int8 weights per output channel and int8 activations per row and 64 K
+// quantized here (tokenmill/models/quantization.py's W8A8Weight packs qweight and meta); the activations'
+// quantization and the exact int32 sums per 64-K block, for the tests; which instructions serve it.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& meta,
+                       const std::optional<at::Tensor>& bias, int64_t out_features);
+std::tuple<at::Tensor, at::Tensor> w8a8_quantize(const at::Tensor& x);
+at::Tensor w8a8_int_gemm(const at::Tensor& xq, const at::Tensor& qweight, const at::Tensor& meta);
+std::string w8a8_linear_path();
 
 // lora.cpp: out[t, shard j] += (x[t] @ A[j, slot]^T) @ B^T[slot, :, shard j] for every token t of every segment
 // with a slot; see lora.cpp and tokenmill/lora/layers.py for the layouts.

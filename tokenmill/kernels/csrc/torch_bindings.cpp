@@ -36,6 +36,10 @@ TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor meta, Tensor? bias, int out_features) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor meta, int out_features, ScalarType dtype) -> Tensor");
   m.def("quant_linear_path() -> str", [] { return TM_NAMESPACE::quant_linear_path(); });
+  m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor meta, Tensor? bias, int out_features) -> Tensor");
+  m.def("w8a8_quantize(Tensor x) -> (Tensor, Tensor)");
+  m.def("w8a8_int_gemm(Tensor xq, Tensor qweight, Tensor meta) -> Tensor");
+  m.def("w8a8_linear_path() -> str", [] { return TM_NAMESPACE::w8a8_linear_path(); });
   m.def("lora_delta(Tensor(a!) out, Tensor x, Tensor a, Tensor b_t, Tensor segments, Tensor ranks, int[] shard_out) "
         "-> ()");
 }
@@ -52,6 +56,9 @@ TORCH_LIBRARY_IMPL(TM_NAMESPACE, CPU, m) {
   m.impl("llama_forward", &TM_NAMESPACE::llama_forward);
   m.impl("quant_linear", &TM_NAMESPACE::quant_linear);
   m.impl("quant_dequantize", &TM_NAMESPACE::quant_dequantize);
+  m.impl("w8a8_linear", &TM_NAMESPACE::w8a8_linear);
+  m.impl("w8a8_quantize", &TM_NAMESPACE::w8a8_quantize);
+  m.impl("w8a8_int_gemm", &TM_NAMESPACE::w8a8_int_gemm);
   m.impl("lora_delta", &lora_delta_op);
 }
 
