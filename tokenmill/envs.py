@@ -28,7 +28,8 @@ ENVIRONMENT_VARIABLES: dict[str, Callable[[], object]] = {
     # vLLM's: "1" or "true" serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters at run time)
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
     in ("1", "true"),
-    # vLLM's: "1" or "true" serves its development endpoints (POST /reset_prefix_cache)
+    # vLLM's: "1" or "true" serves its development endpoints (POST /reset_prefix_cache, /sleep, /wake_up, GET
+    # /is_sleeping)
     "VLLM_SERVER_DEV_MODE": lambda: os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true"),
     # the C++ compiler for the CPU kernels
     "CXX": lambda: os.environ.get("CXX") or "g++",

@@ -18,3 +18,9 @@ def gguf_reader(path: str):
 def _cached_reader(path: str, size: int, mtime_ns: int):
     from gguf import GGUFReader
     return GGUFReader(path)
+
+
+def forget_readers() -> None:
+    """Drops the shared readers, and with them the files' mappings once nothing else holds a view of them: the
+    pages the loader read count in the process's RSS while mapped (sleep level 2 frees the weights)."""
+    _cached_reader.cache_clear()
