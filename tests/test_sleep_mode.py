@@ -16,7 +16,7 @@ from helpers import MODEL, RemoteServer, free_port, scrape_metrics, wait_until
 
 pytestmark = pytest.mark.slow
 
-KV_POOL = 1024**3  # bytes: large enough that the freed share is measured well above the noise of the heap
+KV_POOL = 512 * 2**20  # bytes: large enough that the freed share is measured well above the noise of the heap
 PROMPT = "The capital of France is"
 
 
@@ -27,8 +27,8 @@ def events_port() -> int:
 
 @pytest.fixture(scope="module")
 def sleepy(events_port):
-    """The default model with the flags vLLM's test_sleep.py asks for, a 1 GiB KV pool, bf16 weights not kept
-    quantized (so that level 2 has some 270 MB of weights to free), and the KV event stream."""
+    """The default model with the flags vLLM's test_sleep.py asks for, bf16 weights not kept
+    quantized (so that level 2 has some 270 MB of weights to free), a 512 MiB KV pool, and the KV event stream."""
     s = RemoteServer(["--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-seqs", "128", "--enable-sleep-mode",
                       "--kv-cache-memory", str(KV_POOL), "--quantization", "none", "--uvicorn-log-level", "warning",
                       "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
@@ -40,8 +40,8 @@ def sleepy(events_port):
 
 @pytest.fixture(scope="module")
 def on_demand(tiny_llama_dir):
-    """A tiny model that wakes on demand."""
-    s = RemoteServer(["--enable-sleep-mode", "--wake-on-demand", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
+    """A tiny model that wakes on demand, with a 256 MiB pool: whether it is resident tells asleep from awake."""
+    s = RemoteServer(["--enable-sleep-mode", "--wake-on-demand", "--max-model-len", "8192", "--kv-cache-memory", "256MiB",
                       "--dtype", "float32", "--uvicorn-log-level", "warning"],
                      env={"VLLM_SERVER_DEV_MODE": "1"}, model=tiny_llama_dir, server_args=[])
     yield s
@@ -168,7 +168,7 @@ def test_asleep_health_is_200_and_requests_get_503_with_retry_after(sleepy):
 
 
 def test_a_wake_of_one_part_leaves_the_engine_asleep(sleepy):
-    assert post(sleepy, "/sleep", level="2").status_code == 200
+    assert post(sleepy, "/sleep", level="1").status_code == 200
     assert post(sleepy, "/wake_up", tags="kv_cache").status_code == 200
     assert is_sleeping(sleepy) and complete(sleepy).status_code == 503
     assert post(sleepy, "/wake_up", tags="weights").status_code == 200
@@ -200,7 +200,7 @@ def test_a_sleep_meets_a_running_stream(sleepy, mode):
     an error event that says why, then [DONE]. Never a stream cut short without a word."""
     async def main():
         started = asyncio.Event()
-        stream = asyncio.create_task(stream_events(sleepy, 64, started))
+        stream = asyncio.create_task(stream_events(sleepy, 32, started))
         await started.wait()
         async with httpx.AsyncClient(timeout=300) as client:
             r = await client.post(sleepy.url_for("/sleep"), params={"level": "1", "mode": mode})
@@ -220,9 +220,12 @@ def test_a_sleep_meets_a_running_stream(sleepy, mode):
 
 
 def test_concurrent_sleeps_and_wakes_leave_one_consistent_state(on_demand, tiny_llama_dir):
-    """Rounds of concurrent sleep/wake calls in random order: afterwards /is_sleeping, the gauge and what a request
-    gets agree (asleep: the request wakes the engine, --wake-on-demand, and /is_sleeping turns false)."""
+    """Rounds of concurrent sleep/wake calls in random order: afterwards /is_sleeping, the gauge and the engine
+    agree (asleep: its KV pool is not resident; awake: it is), and a request is served (asleep: it wakes the engine,
+    --wake-on-demand, and /is_sleeping turns false)."""
     rng = random.Random(0)
+    complete(on_demand, model=tiny_llama_dir, max_tokens=4)
+    awake_rss = rss_mib(on_demand)
 
     async def round_(client):
         calls = [("/sleep", {"level": str(rng.choice([1, 2]))}) if rng.random() < 0.5 else ("/wake_up", {})
@@ -239,6 +242,7 @@ def test_concurrent_sleeps_and_wakes_leave_one_consistent_state(on_demand, tiny_
         state = sleep_state(on_demand)
         assert state["awake"] == (0 if asleep else 1)
         assert state["weights_offloaded"] + state["discard_all"] == (1 if asleep else 0)
+        assert (rss_mib(on_demand) < awake_rss - 200) == asleep  # the 256 MiB pool freed, or resident
         r = complete(on_demand, model=tiny_llama_dir, max_tokens=4)
         assert r.status_code == 200, r.text
         assert not is_sleeping(on_demand)  # the request woke it (or it was awake)
