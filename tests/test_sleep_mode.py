@@ -308,3 +308,22 @@ def test_vllm_test_sleep_mode_port(sleepy):
     r = httpx.get(sleepy.url_for("/is_sleeping"))
     assert r.status_code == 200 and r.json().get("is_sleeping") is False
     assert sleep_metrics() == (1, 0, 0)
+
+
+def test_offline_llm_sleeps_and_wakes_with_the_same_outputs(tiny_llama_dir):
+    """vLLM's LLM.sleep / LLM.wake_up on an HF (safetensors) checkpoint, whose level 2 loads the weights again: the
+    same greedy tokens after each level."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=512, kv_cache_memory="16MiB", enable_sleep_mode=True)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompts = ["The sea is", "Once upon a time"]
+
+    def run():
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    before = run()
+    for level in (1, 2):
+        llm.sleep(level)
+        with pytest.raises(ValueError, match="asleep"):
+            llm.generate(prompts, params, use_tqdm=False)
+        llm.wake_up()
+        assert run() == before

@@ -40,6 +40,8 @@ from tokenmill.tokenizer import load_tokenizer
 logger = logging.getLogger("tokenmill.engine")
 
 SLEEP_TAGS = ("weights", "kv_cache")  # the parts wake_up can restore one at a time (vLLM's tags)
+LORA_LEVEL_2 = ("sleep level 2 loads the weights again from the checkpoint, and --enable-lora's adapters are attached "
+                "to the ones loaded at start: use level 1")
 
 
 def default_max_num_batched_tokens(device) -> int:
@@ -201,6 +203,8 @@ class EngineCore:
             raise ValueError("sleep mode is off: start the server with --enable-sleep-mode")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (free the weights too), got {level}")
+        if level == 2 and self.lora is not None:
+            raise ValueError(LORA_LEVEL_2)
         for request_id in list(self.scheduler.requests):
             self.abort_request(request_id)
         while self.has_unfinished_requests():  # only the tier's saves can be left

@@ -147,9 +147,6 @@ class ModelRunner:
                 v.untyped_storage().resize_(0)
             self.kv_asleep = True
         if level >= 2 and self.weights_state != "discarded":
-            if self.lora is not None:
-                raise ValueError("sleep level 2 reloads the weights from the checkpoint, which --enable-lora's "
-                                 "adapters are attached to; use level 1")
             self.model = None
             from tokenmill.gguf_file import forget_readers
             forget_readers()  # the checkpoint's mapping goes too: its pages count in the process's RSS

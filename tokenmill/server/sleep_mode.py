@@ -52,6 +52,9 @@ class SleepControl:
         self._check_enabled()
         if level not in SLEEP_LEVELS:
             raise ParamError(f"level must be 1 (free the KV cache) or 2 (free the weights too), got {level}", "level")
+        if level == 2 and self.client.ready.max_loras:
+            raise ParamError("level 2 loads the weights again from the checkpoint, and --enable-lora's adapters are "
+                             "attached to the ones loaded at start: use level 1", "level")
         if mode not in SLEEP_MODES:
             raise ParamError(f"mode must be one of {list(SLEEP_MODES)} (vLLM's 'keep' is not supported), got "
                              f"{mode!r}", "mode")
