@@ -14,6 +14,7 @@ import httpx
 from tokenmill.api.errors import EngineDeadError
 from tokenmill.api.lifecycle import Lifecycle, LifecycleApp
 from tokenmill.api.server_config import ServerConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.messages import EngineCoreOutput, EngineReady, SchedulerStats
 from tokenmill.logprobs import TokenLogprobs
 from tokenmill.server.api_server import build_app
@@ -28,6 +29,8 @@ CONTINUATION = " Red, green and blue are three colors. They are the primary colo
 class FakeEngineClient:
     def __init__(self, tokenizer, ready: EngineReady):
         self.ready = ready
+        self.config = EngineConfig()  # the engine's flags, as EngineClient has them (sleep mode off)
+        self.asleep = False
         self.dead_reason: str | None = None
         self.metrics = None
         self.on_dead = lambda reason: None

@@ -246,3 +246,53 @@ def test_reset_prefix_cache_forgets_every_prefix_and_says_so_on_the_event_stream
         sub.close(0)
         ctx.term()
         server.stop()
+
+
+def test_sigterm_to_the_process_group_with_nothing_in_flight_exits_0_without_an_error(tiny_llama_dir):
+    """SIGTERM reaches the engine process as well as the API server when it goes to their process group (`docker
+    stop`, systemd, a terminal), the engine first here: the engine ignores it and ends when the API server asks, so
+    the server exits 0 and logs no ERROR (before, the API server saw its engine leave and exited 1)."""
+    server = RemoteServer(["--max-model-len", "512"], model=tiny_llama_dir, server_args=SERVER_ARGS)
+    try:
+        engine = server.engine_process()
+        engine.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the engine, had it died of it, would have been noticed by now
+        assert server.proc.poll() is None and engine.is_running()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(60)
+        log = server.log_tail(10**6)
+        print(f"\nSIGTERM to the engine, then to the API server: exit status {code}")
+        assert code == 0, log
+        assert "ERROR" not in log and "Traceback" not in log, log
+        assert not engine.is_running()
+    finally:
+        server.stop()
+
+
+def test_an_engine_killed_while_loading_is_named_in_the_error(tiny_llama_dir):
+    """A start that fails says why: the engine process killed while it loads the model (here SIGKILL, as the OOM
+    killer sends) ends the server with status 1 and an error naming the signal, not only an exit code."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+    exe = [sys.executable, "-m", "tokenmill.cli", "serve", MODEL, "--port", str(free_port()), *SERVER_ARGS]
+    proc = subprocess.Popen(exe, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TOKENMILL_NO_PROGRESS": "1"})
+    try:
+        def engine():
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                if "spawn_main" in " ".join(child.cmdline()):
+                    return child
+            return None
+        child = wait_until(engine, 120, interval_s=0.05, message="the engine process to start",
+                           retry_on=(psutil.Error,))
+        child.kill()
+        out, _ = proc.communicate(timeout=60)
+        print(f"\n{[line for line in out.splitlines() if 'ERROR' in line]}")
+        assert proc.returncode == 1
+        assert "the engine process was killed by SIGKILL" in out and "while loading the model" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -332,6 +332,10 @@ class EngineConfig(CliConfig):
                 "always calculates them"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "force the number of KV blocks"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
+    enable_sleep_mode: bool = field(default=False, metadata={
+        "help": "let POST /sleep free memory and POST /wake_up restore it (vLLM's development endpoints, served "
+                "with VLLM_SERVER_DEV_MODE=1): level 1 frees the KV pool and the caches built from the weights, "
+                "level 2 the weights too, loaded again from the checkpoint on wake_up"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests in one batch"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": "token budget of one step (default: 512 on CPU, so a prefill chunk stalls running decodes for "

@@ -31,7 +31,8 @@ ENVIRONMENT_VARIABLES: dict[str, Callable[[], object]] = {
     # vLLM's: seconds a prefill instance keeps a finished request's KV blocks for the decode instance that has not
     # fetched them yet (--kv-transfer-config's kv_connector_extra_config.abort_request_timeout wins)
     "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": lambda: float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480")),
-    # vLLM's: "1" or "true" serves its development endpoints (POST /reset_prefix_cache)
+    # vLLM's: "1" or "true" serves its development endpoints (POST /reset_prefix_cache, /sleep, /wake_up, GET
+    # /is_sleeping)
     "VLLM_SERVER_DEV_MODE": lambda: os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true"),
     # the C++ compiler for the CPU kernels
     "CXX": lambda: os.environ.get("CXX") or "g++",

@@ -35,3 +35,9 @@ def _cached_reader(path: str, size: int, mtime_ns: int):
             self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
     return Reader(path)
+
+
+def forget_readers() -> None:
+    """Drops the shared readers, and with them the files' mappings once nothing else holds a view of them: the
+    pages the loader read count in the process's RSS while mapped (sleep level 2 frees the weights)."""
+    _cached_reader.cache_clear()

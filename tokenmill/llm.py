@@ -33,6 +33,15 @@ class LLM:
         # generation_config (auto, vllm or a directory): the model's recommended sampling, as the server applies it
         self._generation_defaults = generation_defaults(self.engine.model_info.path, self.config.generation_config)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's LLM.sleep (needs enable_sleep_mode=True): level 1 frees the KV cache and the caches built from
+        the weights, level 2 the weights too; no request may be running."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's LLM.wake_up: restores the parts named ("weights", "kv_cache"), both by default."""
+        self.engine.wake_up(tags)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what generate() and chat() use when given no SamplingParams, the model's generation_config.json
         defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over

@@ -19,7 +19,7 @@ from tokenmill.sampling_params import ParamError
 
 logger = logging.getLogger("tokenmill.server")
 
-RETRY_AFTER_S = 5  # the Retry-After of every 503: queue full, loading, draining
+RETRY_AFTER_S = 5  # the Retry-After of every 503: queue full, loading, draining, asleep
 
 
 class EngineDeadError(RuntimeError):
@@ -28,6 +28,10 @@ class EngineDeadError(RuntimeError):
 
 class StreamStalled(RuntimeError):
     """The client stopped reading its stream; the request was aborted."""
+
+
+class RequestAborted(RuntimeError):
+    """The server ended a request it had accepted (POST /sleep in its abort mode): 503, or a stream's error event."""
 
 
 class ModelNotFound(Exception):
@@ -55,7 +59,7 @@ class RequestTooLarge(Exception):
 
 
 class ServiceUnavailable(Exception):
-    """The server is loading its model or shutting down: 503 with Retry-After."""
+    """The server is loading its model, shutting down or asleep: 503 with Retry-After."""
 
 
 class ErrorKind(NamedTuple):
@@ -75,6 +79,7 @@ ERRORS: dict[type[BaseException], ErrorKind] = {
     ServiceUnavailable: ErrorKind(503, "service_unavailable_error", "Service unavailable: {}.", retry_after=True),
     EngineDeadError: ErrorKind(503, "service_unavailable_error", "The server cannot serve requests: {}"),
     StreamStalled: ErrorKind(408, "timeout_error", "The request was aborted: {}."),
+    RequestAborted: ErrorKind(503, "service_unavailable_error", "The request was aborted: {}.", retry_after=True),
 }
 INTERNAL_ERROR = ErrorKind(500, "internal_server_error", "Internal server error; see the server log.")
 # Starlette's own HTTP errors (unknown route, wrong method) by status; any other status is invalid_request_error

@@ -82,6 +82,9 @@ class ServerConfig(CliConfig):
                 "(default: no limit)"})
     max_num_queued_tokens: int | None = field(default=None, metadata={
         "help": "the same, counting the prompt tokens of those requests"})
+    wake_on_demand: bool = field(default=False, metadata={
+        "help": "with --enable-sleep-mode: a request that arrives while the engine sleeps (POST /sleep) wakes it "
+                "and runs, instead of getting 503 with Retry-After"})
     shutdown_timeout: float = field(default=30.0, metadata={
         "help": "on SIGTERM, seconds to let in-flight requests finish before failing them"})
     disable_log_stats: bool = field(default=False, metadata={"help": "no stats line every 10 s"})

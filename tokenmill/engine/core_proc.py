@@ -8,6 +8,7 @@ idle, block on the input socket (waking once a second to notice a dead parent)."
 from __future__ import annotations
 
 import logging
+import collections
 import os
 import signal
 import sys
@@ -32,10 +33,15 @@ from tokenmill.engine.messages import (
     EngineStartupFailed,
     LoRAReply,
     RemoveLoRA,
+    EngineCoreOutput,
     ResetPrefixCache,
     RequestError,
+    Shutdown,
+    Sleep,
+    SleepReply,
     StatsQuery,
     StatsReply,
+    WakeUp,
 )
 from tokenmill.heap import freeze_startup_heap
 from tokenmill.sampling_params import ParamError
@@ -46,15 +52,21 @@ _IDLE_POLL_MS = 1000  # when idle: how often to check that the API server still 
 _PIN_POLL_MS = 50  # when idle with KV blocks pinned for decode instances: how often to free those they are done with
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
-    """Entry point of the engine process (multiprocessing spawn target)."""
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
+                    fault_path: str | None = None) -> None:
+    """Entry point of the engine process (multiprocessing spawn target). fault_path: where a fatal signal's
+    traceback goes (faulthandler), for the API server to quote if this process dies without a word."""
+    # Ctrl-C and SIGTERM reach the whole process group (a terminal, `docker stop`, systemd): the API server decides
+    # when this process ends (a Shutdown message, once it has drained), so both are ignored here. The API server
+    # spawned this process with SIGTERM blocked (engine_client.py), so one sent before this line is dropped too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if fault_path is not None:
+        import faulthandler
+        faulthandler.enable(open(fault_path, "w"))  # noqa: SIM115 - open for the life of the process
     from tokenmill.logs import configure_logging
     configure_logging()  # the API server's --log-format, through the environment
-    # Ctrl-C reaches the whole process group; the API server decides when this process ends (SIGTERM), and
-    # SystemExit lets multiprocessing's finalizers run.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _set_engine_threads(config)
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(input_address)
@@ -63,7 +75,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
     try:
+        _set_engine_threads(config)
         from tokenmill.engine.engine import EngineCore
+        # the engine with its code and libraries and no model: sleep level 2 returns close to it (README)
+        logger.info("engine process: %.0f MiB resident before loading the model", _rss_bytes() / 2**20)
         engine = EngineCore(config)
         publisher = make_publisher(config.kv_events_config)  # a taken port fails the start-up here
         if publisher is not None:
@@ -85,6 +100,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         engine.matryoshka, config.kv_cache_dtype, max_loras=config.max_loras if engine.lora is not None else 0)))
     freeze_startup_heap()
     EngineCoreLoop(engine, inputs, outputs, parent_pid, publisher).run()
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory: the figure sleep mode's levels are measured against (README)."""
+    import psutil
+    return psutil.Process().memory_info().rss
 
 
 def _set_engine_threads(config: EngineConfig) -> None:
@@ -116,30 +137,41 @@ class EngineCoreLoop:
         self.stats_queries: list[int] = []
         self.lora_replies: list[LoRAReply] = []
         self.aborted = False  # since the last message: the state changed without a step
+        # Sleep and WakeUp in arrival order, one at a time: a Sleep in "wait" mode stays first until the engine
+        # has finished its requests, so that concurrent callers' sleeps and wakes apply in the order they came
+        self.sleep_ops: collections.deque[Sleep | WakeUp] = collections.deque()
+        self.sleep_replies: list[SleepReply] = []
+        self.outputs_pending: list[EngineCoreOutput] = []  # requests a sleep aborted
 
     def run(self) -> None:
         while True:
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_unfinished_requests() and not self.sleep_ops:
                 self._wait_for_input()
             self._drain_inputs()
+            if self.sleep_ops:
+                self._run_sleep_ops()
             stepped = self.engine.has_unfinished_requests()
             outputs = self.engine.step() if stepped else []
             if not stepped and self.engine.release_kv_pins():
                 self.aborted = True  # blocks freed with no step: report the state
+            if self.outputs_pending:
+                outputs, self.outputs_pending = self.outputs_pending + outputs, []
             if stepped and self.kv_event_publisher is not None:
                 events = self.engine.kv_cache.take_events()
                 if events:
                     self.kv_event_publisher.publish(events)
-            if stepped or self.errors or self.stats_queries or self.aborted or self.lora_replies:
+            if stepped or self.errors or self.stats_queries or self.aborted or self.lora_replies or self.sleep_replies:
                 stats = [StatsReply(q, self.engine.scheduler_stats()) for q in self.stats_queries]
                 # Every change of state is reported (an abort frees blocks with no step after it), so the server's
                 # copy is always current and /metrics never has to wait for a step to end.
                 sched_stats = None
                 if stepped or self.aborted:
                     sched_stats = self.engine.scheduler_stats(self.engine.last_step_tokens if stepped else 0)
-                msg = EngineCoreOutputs(outputs, self.errors, stats, time.monotonic(), sched_stats, self.lora_replies)
+                msg = EngineCoreOutputs(outputs, self.errors, stats, time.monotonic(), sched_stats, self.lora_replies,
+                                        self.sleep_replies)
                 self.outputs.send(self.encoder.encode(msg), copy=False)
                 self.errors, self.stats_queries, self.aborted, self.lora_replies = [], [], False, []
+                self.sleep_replies = []
 
     def _wait_for_input(self) -> None:
         if not self.inputs.poll(0):
@@ -190,6 +222,41 @@ class EngineCoreLoop:
             self.stats_queries.append(msg.query_id)
         elif isinstance(msg, (AddLoRA, RemoveLoRA)):
             self.lora_replies.append(self._lora_reply(msg))
+        elif isinstance(msg, (Sleep, WakeUp)):
+            self.sleep_ops.append(msg)
+        elif isinstance(msg, Shutdown):
+            logger.info("shutting down")
+            sys.exit(0)  # SystemExit: multiprocessing's finalizers run, the exit status is 0
+
+    def _run_sleep_ops(self) -> None:
+        """Runs the queued Sleep and WakeUp messages in order; a Sleep in "wait" mode waits (the loop keeps
+        stepping) until the requests the engine has are finished."""
+        engine = self.engine
+        while self.sleep_ops:
+            op = self.sleep_ops[0]
+            if isinstance(op, Sleep) and op.mode == "wait" and engine.scheduler.has_unfinished():
+                return
+            self.sleep_ops.popleft()
+            error = None
+            try:
+                if isinstance(op, Sleep):
+                    aborted = list(engine.scheduler.requests)
+                    engine.sleep(op.level)
+                    # normally none: the API server failed them before it sent the Sleep; never a silent end
+                    self.outputs_pending += [EngineCoreOutput(rid, [], "abort") for rid in aborted]
+                else:
+                    engine.wake_up(op.tags)
+            except ValueError as e:
+                error = str(e)
+            except Exception as e:  # noqa: BLE001 - the engine stays up, in the state the reply reports
+                logger.exception("%s failed", type(op).__name__)
+                error = f"{type(op).__name__.lower()} failed: {type(e).__name__}: {e}"
+            if self.kv_event_publisher is not None:  # AllBlocksCleared now, not with the next step's events
+                events = engine.kv_cache.take_events()
+                if events:
+                    self.kv_event_publisher.publish(events)
+            self.sleep_replies.append(SleepReply(op.query_id, engine.sleep_level, engine.asleep_parts(),
+                                                 engine.scheduler_stats(), error))
 
     def _lora_reply(self, msg: AddLoRA | RemoveLoRA) -> LoRAReply:
         try:

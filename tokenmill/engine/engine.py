@@ -14,6 +14,7 @@ import msgspec
 from tokenmill import envs
 from tokenmill.config import EngineConfig, kv_transfer_refusal
 from tokenmill.engine.encoder_runner import EncoderRunner
+from tokenmill.engine.host_memory import release_freed_memory
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.kv_events import BlockRemoved, BlockStored
 from tokenmill.engine.kv_offload import KVOffloader, SaveJob, Tier
@@ -39,6 +40,10 @@ from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
+
+SLEEP_TAGS = ("weights", "kv_cache")  # the parts wake_up can restore one at a time (vLLM's tags)
+LORA_LEVEL_2 = ("sleep level 2 loads the weights again from the checkpoint, and --enable-lora's adapters are attached "
+                "to the ones loaded at start: use level 1")
 
 
 def default_max_num_batched_tokens(device) -> int:
@@ -109,6 +114,9 @@ class EngineCore:
         self.transfer_counters: TransferCounters | None = None
         self.offload = self.scheduler.offload = self._offloader(config, prefix_caching)
         self._save_backlog: collections.deque[SaveJob] = collections.deque()  # computed, not yet queued
+        self.sleep_level = 0  # 0: awake; else the deepest level slept at since the engine was last fully awake
+        if config.enable_sleep_mode and encoder:
+            raise ValueError("--enable-sleep-mode frees a KV pool and its caches; this encoder model keeps none")
         if self.offload is not None and self.offload.writes:
             self.kv_cache.newly_cached = []
 
@@ -175,6 +183,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None = None, priority: int = 0, arrival_time: float | None = None,
                     extra_keys: tuple = (), lora_request: LoRARequest | None = None) -> Request:
+        if self.sleep_level:
+            raise ParamError("the engine is asleep: POST /wake_up wakes it", None)
         max_tokens = self.check_request(prompt_token_ids, params, priority)
         if lora_request is not None:  # its adapter is loaded now (a bad one fails here) and kept until it ends
             try:
@@ -204,6 +214,58 @@ class EngineCore:
         """vLLM's reset_prefix_cache: the pool forgets every cached prefix (the tiers beyond it keep theirs)."""
         return self.kv_cache.reset_prefix_cache()
 
+    # ---- sleep mode (--enable-sleep-mode): vLLM's sleep / wake_up / is_sleeping ----
+
+    @property
+    def _runners(self) -> list[ModelRunner]:
+        """The runners whose memory sleep frees: the model's, and a draft model's."""
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        draft = getattr(proposer, "runner", None)
+        return [self.runner] + ([draft] if draft is not None else [])
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep: level 1 frees the KV pool and the caches built from the weights, level 2 the weights too.
+        Requests still unfinished are aborted (the caller has drained or aborted them already) and the tier's
+        saves finish first, since they read the pool; the prefix cache is reset, so the pool is empty at wake_up
+        and the KV event stream says AllBlocksCleared. Asleep already: whatever is still resident at this level
+        is freed (level 2 after level 1 drops the weights)."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the server with --enable-sleep-mode")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (free the weights too), got {level}")
+        if level == 2 and self.lora is not None:
+            raise ValueError(LORA_LEVEL_2)
+        for request_id in list(self.scheduler.requests):
+            self.abort_request(request_id)
+        while self.has_unfinished_requests():  # only the tier's saves can be left
+            self.step()
+        before = sum(r.kv_cache_bytes() for r in self._runners)
+        self.kv_cache.reset_prefix_cache()
+        for runner in self._runners:
+            runner.sleep(level)
+        self.sleep_level = max(level, self.sleep_level)
+        release_freed_memory()  # what glibc keeps of the freed heap goes back to the OS
+        logger.info("asleep at level %d: %.2f GiB of KV cache freed%s", level, before / 2**30,
+                    ", and the weights" if level == 2 else "")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up: the parts named ("weights", "kv_cache"; None: both) are restored as they were."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the server with --enable-sleep-mode")
+        unknown = set(tags or ()) - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; the tags are {list(SLEEP_TAGS)}")
+        for runner in self._runners:
+            runner.wake_up(set(tags or SLEEP_TAGS))
+        if not self.asleep_parts():
+            self.sleep_level = 0
+            logger.info("awake")
+
+    def asleep_parts(self) -> list[str]:
+        """The parts still asleep: "weights" (their caches or the weights themselves freed), "kv_cache"."""
+        r = self.runner
+        return [tag for tag, asleep in zip(SLEEP_TAGS, (r.weights_state != "awake", r.kv_asleep)) if asleep]
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Loads an adapter into the CPU cache ahead of its requests (vLLM's add_lora); raises LoRAError."""
         self._lora_manager().load(lora_request)
@@ -214,6 +276,8 @@ class EngineCore:
 
     def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
                             priority: int = 0, arrival_time: float | None = None) -> Request:
+        if self.sleep_level:
+            raise ParamError("the engine is asleep: POST /wake_up wakes it", None)
         validate_pooling_request(prompt_token_ids, params, self.max_model_len, self.runner.vocab_size,
                                  self.matryoshka, self.runner_type)
         request = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), None, 1, priority,

@@ -3,6 +3,7 @@ back when the engine falls idle. Torch-free, so that the engine loop can call it
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 
@@ -31,3 +32,18 @@ def release_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
             pass
+
+
+def discard_pages(address: int, nbytes: int) -> None:
+    """Gives the pages of [address, address + nbytes) back to the OS with madvise(MADV_DONTNEED): on a private
+    anonymous mapping they read as zeros afterwards and are mapped in again on first touch, so whatever points
+    into the range (tensors, numpy views) stays valid. address must be page-aligned (an mmap's start). A no-op
+    where madvise is missing; raises OSError if it fails."""
+    if sys.platform != "linux" or nbytes <= 0:
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madv_dontneed = 4
+    if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), madv_dontneed) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"madvise(MADV_DONTNEED) failed: {os.strerror(errno)}")

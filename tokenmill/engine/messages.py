@@ -2,7 +2,7 @@
 
 Two ZMQ PUSH/PULL sockets over ipc:// carry msgpack (msgspec, the typed Structs below):
   API server → engine: AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA |
-  ResetPrefixCache
+  ResetPrefixCache | Sleep | WakeUp | Shutdown
   engine → API server: EngineReady | EngineStartupFailed (once), then EngineCoreOutputs (one per step)
 
 This module imports no torch (nor anything that does): the API server process, the router and the benchmarks
@@ -62,7 +62,30 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True
     query_id: int
 
 
-EngineInput = AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA | ResetPrefixCache
+class Sleep(msgspec.Struct, tag="sleep", array_like=True):
+    """Free memory (vLLM's POST /sleep, --enable-sleep-mode): level 1 the KV pool and the caches built from the
+    weights, level 2 the weights too. mode "wait": the engine first finishes the requests it has (admitting no
+    others meanwhile is the API server's part); "abort": it aborts them (the API server has failed their streams
+    already). Answered by a SleepReply once asleep."""
+    query_id: int
+    level: int = 1
+    mode: str = "abort"
+
+
+class WakeUp(msgspec.Struct, tag="wake_up", array_like=True):
+    """Restore what Sleep freed (vLLM's POST /wake_up): the parts named in tags ("weights", "kv_cache"), or both
+    when None. Answered by a SleepReply."""
+    query_id: int
+    tags: list[str] | None = None
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """End the engine process now (the API server stops): it ignores SIGTERM, which a process group gets all at
+    once, so that only the API server, once it has drained its requests, decides when the engine ends."""
+
+
+EngineInput = (AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA | ResetPrefixCache | Sleep
+               | WakeUp | Shutdown)
 
 
 # ---- engine → API server ----
@@ -184,6 +207,16 @@ class LoRAReply(msgspec.Struct, array_like=True):
     not_found: bool = False
 
 
+class SleepReply(msgspec.Struct, array_like=True):
+    """A Sleep or WakeUp done (error None), or why not; the engine's sleep state after it: level 0 when awake,
+    else the level it slept at, and the parts still asleep ("weights", "kv_cache")."""
+    query_id: int
+    level: int
+    asleep: list[str]
+    stats: SchedulerStats
+    error: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     errors: list[RequestError] = []
@@ -191,6 +224,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
     timestamp: float = 0.0  # time.monotonic() when the step ended: the time of every token in `outputs`
     scheduler_stats: SchedulerStats | None = None  # after a step; None when no step ran
     lora_replies: list[LoRAReply] = []
+    sleep_replies: list[SleepReply] = []
 
 
 EngineMessage = EngineReady | EngineStartupFailed | EngineCoreOutputs

@@ -1,8 +1,10 @@
 """Owns the model and the KV tensors; turns a SchedulerOutput into one forward pass and sampled tokens."""
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,7 +13,7 @@ import torch
 
 from tokenmill.config import EngineConfig, parse_memory
 from tokenmill.engine.cuda_graph import DecodeCUDAGraphs, DecodeInputBuffers, capture_sizes
-from tokenmill.engine.host_memory import keep_freed_memory_in_process
+from tokenmill.engine.host_memory import discard_pages, keep_freed_memory_in_process
 from tokenmill.engine.kv_blocks import BlockLayout, model_fingerprint
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler, logprob_entries
@@ -72,13 +74,19 @@ def kv_budget(config: EngineConfig, device_type: str, free: int, total: int) -> 
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, but on the CPU with calloc's lazy zero pages: torch.zeros writes every byte, 4.3 s for the
-    default 4 GiB pool on 2 cores (most of the start-up), where pages the kernel maps in zeroed on first touch
-    cost nothing until a block is used. Same contents, so a block never written reads as zeros either way."""
+    """torch.zeros, but on the CPU in an anonymous mapping of its own, whose pages the kernel maps in zeroed on
+    first touch: torch.zeros writes every byte, 4.3 s for the default 4 GiB pool on 2 cores (most of the
+    start-up), where untouched pages cost nothing until a block is used. Same contents, so a block never written
+    reads as zeros either way; and sleep (discard_pages) can give the pages back with every view kept valid."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # the tensor keeps the mapping alive; the mapping is page-aligned, as discard_pages needs
+    # (private: madvise frees a shared mapping's pages from this process only, and they read back unchanged)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -87,10 +95,11 @@ class ModelRunner:
         self.device = runner_device(config)
         self.dtype = resolve_dtype(config.dtype, info.hf_config, self.device)
         self.block_size = config.block_size
-        self.model = load_model(info, self.dtype, self.device, max_model_len, config.quantization)
+        self._load_model = lambda: load_model(info, self.dtype, self.device, max_model_len, config.quantization)
+        self.model = self._load_model()
         self.backend = get_attention_backend(config.attention_backend, self.device, self.dtype, self.block_size,
                                              self.model.head_dim)
-        kernels = self.backend.ops if isinstance(self.backend, CPUKernelBackend) else None
+        kernels = self.kernels = self.backend.ops if isinstance(self.backend, CPUKernelBackend) else None
         self.model.use_cpu_kernels(kernels)
         self.vocab_size = info.hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, config.seed, kernels)
@@ -115,18 +124,79 @@ class ModelRunner:
                           for i in range(layers)]
         self.backend.calibrating = needs_calibration(config.kv_cache_dtype, config.calculate_kv_scales)
         self.graphs = None
-        if use_graphs:
-            buffers = DecodeInputBuffers(graph_sizes[-1], -(-max_model_len // self.block_size), self.block_size,
-                                         self.num_blocks, self.device)
-            self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, self.backend, graph_sizes, buffers)
-            # captured at start-up, as vLLM does, so that no request waits for it; a one-byte KV cache whose
-            # scales the first forward pass sets is captured right after that pass (execute)
-            if not self.backend.calibrating:
-                self.graphs.capture()
+        self._max_model_len, self._graph_sizes = max_model_len, graph_sizes if use_graphs else []
+        self._make_graphs()
+        # sleep mode (POST /sleep, --enable-sleep-mode): "awake", "offloaded" (level 1: the caches built from the
+        # weights are freed, the weights kept) or "discarded" (level 2: the weights are freed too)
+        self.weights_state = "awake"
+        self.kv_asleep = False
         logger.info("KV cache: dtype %s (%s), %d bytes per token, %d blocks of %d tokens = %d tokens, %.2f GiB",
                     config.kv_cache_dtype, str(self.kv_dtype).removeprefix("torch."),
                     self._block_bytes() // self.block_size, self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size, self.num_blocks * self._block_bytes() / 1024**3)
+
+    def _make_graphs(self) -> None:
+        """CUDA graphs for decode steps (engine/cuda_graph.py), captured at start-up as vLLM does, so that no
+        request waits for it; a one-byte KV cache whose scales the first forward pass sets is captured right after
+        that pass (execute). Again at wake_up: a graph holds the addresses of the weights and the KV tensors."""
+        if not self._graph_sizes:
+            return
+        buffers = DecodeInputBuffers(self._graph_sizes[-1], -(-self._max_model_len // self.block_size),
+                                     self.block_size, self.num_blocks, self.device)
+        self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, self.backend, self._graph_sizes, buffers)
+        if not self.backend.calibrating:
+            self.graphs.capture()
+
+    # ---- sleep mode (--enable-sleep-mode; the engine's sleep/wake_up) ----
+
+    def kv_cache_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for k, v, _ in self.kv_caches for t in (k, v))
+
+    def sleep(self, level: int) -> None:
+        """Frees the KV pool's memory, the CUDA graphs, and the small-M kernel's copies of the weights (rebuilt
+        from the weights at wake_up); level 2 also drops the model, loaded again from the checkpoint at wake_up.
+        The pool's tensors stay, so the tiers' BlockLayout (numpy views of the pool) and the graphs' references
+        stay valid: on the CPU its pages go back to the OS at the same addresses (they read as zeros after), on
+        CUDA its storage is resized to nothing. The KV scales (a few bytes per layer, set by a one-byte cache's
+        first pass) are kept: wake_up restores the state exactly."""
+        self.graphs = None
+        if not self.kv_asleep:
+            for k, v, _ in self.kv_caches:
+                for t in (k, v):
+                    if self.device.type == "cpu":  # zeroed()'s mapping: same addresses, pages returned
+                        discard_pages(t.data_ptr(), t.untyped_storage().nbytes())
+                    else:
+                        t.untyped_storage().resize_(0)
+            self.kv_asleep = True
+        if level >= 2 and self.weights_state != "discarded":
+            self.model = None
+            from tokenmill.gguf_file import forget_readers
+            forget_readers()  # the checkpoint's mapping goes too: its pages count in the process's RSS
+            self.weights_state = "discarded"
+        elif self.weights_state == "awake":
+            self.model.use_cpu_kernels(None)  # drops the small-M copies and the fused stack's weight list
+            self.weights_state = "offloaded"
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: set[str]) -> None:
+        """Restores what sleep() freed, for the parts named ("weights", "kv_cache"): the KV pool as it was after
+        start-up (zeros, empty), the model and its kernels' layouts; the CUDA graphs once both parts are awake."""
+        if "weights" in tags and self.weights_state != "awake":
+            if self.weights_state == "discarded":
+                self.model = self._load_model()
+            self.model.use_cpu_kernels(self.kernels)
+            self.weights_state = "awake"
+        if "kv_cache" in tags and self.kv_asleep:
+            if self.device.type != "cpu":  # on the CPU the discarded pages read as zeros already
+                for k, v, _ in self.kv_caches:
+                    for t in (k, v):
+                        t.untyped_storage().resize_(t.numel() * t.element_size())
+                        t.zero_()
+            self.kv_asleep = False
+        if self.weights_state == "awake" and not self.kv_asleep and self.graphs is None:
+            self._make_graphs()
 
     def block_layout(self, info: ModelInfo) -> BlockLayout:
         """The pool's blocks as bytes (engine/kv_blocks.py), named by everything that gives those bytes their

@@ -153,29 +153,38 @@ def quantize_linears(model: nn.Module, kind: str, ops) -> None:
         model.embed_tokens = QuantizedEmbedding(QuantizedWeight(quantize(embed.weight, kind)))
 
 
+# The initializers that torch's layers call from reset_parameters()
+_INIT_FUNCTIONS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                   "xavier_normal_", "zeros_", "ones_", "constant_")
+
+
 @contextlib.contextmanager
-def _no_init():
-    """The layers' random initialisation skipped while the model is built on the meta device, where it means
-    nothing: torch routes an init on meta tensors through its decompositions, which import torch._dynamo and
-    with it Triton (a second of start-up on a CPU-only machine, and ~30 lines of "nanobind: leaked" at exit)."""
-    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
-    saved = {n: getattr(nn.init, n) for n in names}
+def _no_initial_values():
+    """Layers whose values the checkpoint gives skip torch's initializers: time wasted on the CPU, and on meta
+    tensors torch's reference implementations, whose first call imports torch._dynamo and with it triton (seconds
+    of start-up, and some 150 MB of resident memory that an engine never uses on the CPU, which sleep level 2 could
+    not give back)."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
     try:
-        for n in names:
-            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
         yield
     finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device, max_positions: int,
                quantization: str = "none"):
     """quantization: --quantization (tokenmill/models/quantization.py); none keeps today's dense weights."""
     _, cls, options = resolve_architecture(info.hf_config)
-    with torch.device("meta"), _no_init():
+    # Built without values (the checkpoint gives them): on the CPU in place, its tensors left unwritten until
+    # loaded; on an accelerator on the meta device first, then given memory there.
+    build_on = device if device.type == "cpu" else torch.device("meta")
+    with build_on, _no_initial_values():
         model = cls(info.hf_config, max_positions, **options)
-    model = model.to_empty(device=device)
+    if build_on != device:
+        model = model.to_empty(device=device)
     reader = None
     if info.gguf_arch:
         from tokenmill.gguf_file import gguf_reader

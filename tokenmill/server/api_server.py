@@ -37,6 +37,7 @@ from tokenmill.server.serving_models import OpenAIServingModels, add_model_route
 from tokenmill.server.serving_responses import add_responses_routes
 from tokenmill.server.serving_score import add_score_routes
 from tokenmill.server.serving_tokenization import OpenAIServingTokenization
+from tokenmill.server.sleep_mode import SleepControl, SleepGateMiddleware, add_sleep_routes
 
 # One self-contained page (no CDN): live charts computed in the browser from /metrics.
 DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_bytes()
@@ -48,8 +49,10 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, **docs)
     add_error_handlers(app)
     install_openapi(app, bool(config.api_key))
+    app.state.sleep = SleepControl(state)
     _add_routes(app, state)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
+    app.add_middleware(SleepGateMiddleware, control=app.state.sleep, paths=LOAD_TRACKED_PATHS)
     if config.enable_server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, state=state, paths=LOAD_TRACKED_PATHS)
     app.add_middleware(RequestIdMiddleware)
@@ -109,6 +112,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             """Every cached prefix forgotten (its KV events say AllBlocksCleared); 200 with no body, as vLLM."""
             state.metrics.record_step(await state.client.reset_prefix_cache())
             return Response(status_code=200)
+
+        add_sleep_routes(app, app.state.sleep)  # POST /sleep, POST /wake_up, GET /is_sleeping
 
     @app.post("/v1/completions")
     async def create_completion(body: cp.CompletionRequest, raw: Request):

@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 
@@ -22,12 +23,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenmill.api.errors import EngineDeadError, LoRANotFound, StreamStalled
+from tokenmill.api.errors import EngineDeadError, LoRANotFound, ServiceUnavailable, StreamStalled
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import run_engine_core
 from tokenmill.engine.messages import (AbortRequests, AddLoRA, AddRequest, AddRequests, EngineCoreOutputs,
                                        EngineMessage, EngineReady, EngineStartupFailed, LoRAReply, RemoveLoRA,
-                                       ResetPrefixCache, SchedulerStats, StatsQuery)
+                                       ResetPrefixCache, SchedulerStats, Shutdown, Sleep, SleepReply, StatsQuery,
+                                       WakeUp)
 from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import ParamError
@@ -46,6 +48,7 @@ class EngineClient:
         self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
         self._input_address = f"ipc://{self._tmpdir}/input"
         self._output_address = f"ipc://{self._tmpdir}/output"
+        self._fault_path = os.path.join(self._tmpdir, "engine-fault.txt")
         self._ctx = zmq.asyncio.Context()
         # A plain send on a PUSH socket never blocks here (no high-water mark), so aborts can be sent from
         # synchronous cleanup code, even while a task is being cancelled.
@@ -70,6 +73,9 @@ class EngineClient:
         self.stream_stall_timeout_s: float | None = None  # set by the server (--stream-stall-timeout)
         self._streams: dict[str, GenerationStream] = {}  # by request id, watched for stalls until closed
         self._watchdog_task: asyncio.Task | None = None
+        # Closed (True) from the start of a POST /sleep until the engine is fully awake again: requests are
+        # refused (503) rather than sent to an engine that cannot run them (tokenmill/server/sleep_mode.py)
+        self.asleep = False
 
     # ---- lifecycle ----
 
@@ -77,8 +83,15 @@ class EngineClient:
         """Spawns the engine process and waits until its model is loaded."""
         ctx = multiprocessing.get_context("spawn")
         self._process = ctx.Process(target=run_engine_core, name="tokenmill-engine", daemon=True,
-                                    args=(self.config, self._input_address, self._output_address, os.getpid()))
-        self._process.start()
+                                    args=(self.config, self._input_address, self._output_address, os.getpid(),
+                                          self._fault_path))
+        # Spawned with SIGTERM blocked (the mask survives exec), until the engine ignores it: a SIGTERM to the
+        # process group while the child starts up must not kill it. Here it waits until the mask is restored.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            self._process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         deadline = time.monotonic() + timeout_s
         while True:
             if await self._output.poll(200):
@@ -89,9 +102,9 @@ class EngineClient:
                     self.shutdown()
                     raise RuntimeError(f"the engine failed to start: {msg.message}")
             elif not self._process.is_alive():
-                code = self._process.exitcode
+                reason = self._exit_reason()
                 self.shutdown()
-                raise RuntimeError(f"the engine process exited with code {code} while loading the model")
+                raise RuntimeError(f"{reason} while loading the model")
             elif time.monotonic() > deadline:
                 self.shutdown()
                 raise RuntimeError(f"the engine did not become ready within {timeout_s:.0f} s")
@@ -116,12 +129,12 @@ class EngineClient:
                 asyncio.get_running_loop().remove_reader(proc.sentinel)
             except (RuntimeError, ValueError, OSError):
                 pass
-            if proc.is_alive():
-                proc.terminate()
+            if proc.is_alive() and self.ready is not None and self.dead_reason is None:
+                self._send(Shutdown())  # the engine ignores SIGTERM: it ends when asked, between two steps
                 proc.join(5)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
+            if proc.is_alive():  # still loading its model, or stuck
+                proc.kill()
+                proc.join(5)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
@@ -133,7 +146,27 @@ class EngineClient:
         proc = self._process
         asyncio.get_running_loop().remove_reader(proc.sentinel)
         proc.join(1)
-        self._fail_all(f"the engine process died (exit code {proc.exitcode})")
+        self._fail_all(self._exit_reason())
+
+    def _exit_reason(self) -> str:
+        """Why the engine process ended, for a log line: its exit status or signal, and the traceback a fatal signal
+        left (faulthandler); a Python error is logged by the engine process itself, just before."""
+        code = self._process.exitcode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            how = f"was killed by {name}" + (" (out of memory? see the kernel log)" if name == "SIGKILL" else "")
+        else:
+            how = f"exited with code {code} (its log lines above say why)"
+        reason = f"the engine process {how}"
+        try:
+            with open(self._fault_path) as f:
+                fault = f.read().strip()
+        except OSError:
+            fault = ""
+        return f"{reason}: {fault[-2000:]}" if fault else reason
 
     def _on_output_loop_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -154,9 +187,10 @@ class EngineClient:
         self._stats_waiters.clear()
         self.on_dead(reason)
 
-    def fail_pending(self, reason: str) -> None:
-        """Ends every pending request with EngineDeadError (a 503, or an error event in a stream)."""
-        error = EngineDeadError(reason)
+    def fail_pending(self, reason: str, error: BaseException | None = None) -> None:
+        """Ends every pending request with `error` (default EngineDeadError): a 503, or an error event in a
+        stream."""
+        error = error if error is not None else EngineDeadError(reason)
         now = time.monotonic()
         for request_id, queue in self._queues.items():
             queue.put_nowait(error)
@@ -209,10 +243,10 @@ class EngineClient:
                 queue = self._queues.pop(err.request_id, None)
                 if queue is not None:
                     queue.put_nowait(err)
-            for reply in [*msg.stats, *msg.lora_replies]:
+            for reply in [*msg.stats, *msg.lora_replies, *msg.sleep_replies]:
                 waiter = self._stats_waiters.pop(reply.query_id, None)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(reply.stats if not isinstance(reply, LoRAReply) else reply)
+                    waiter.set_result(reply if isinstance(reply, (LoRAReply, SleepReply)) else reply.stats)
 
     async def _abort_stalled_streams(self) -> None:
         """Fails the streams whose reader has left output unread for longer than the stall timeout; forgets the
@@ -234,17 +268,22 @@ class EngineClient:
     def _send(self, msg) -> None:
         self._input.send(self._encoder.encode(msg), copy=False)
 
+    def check_awake(self) -> None:
+        self.check_alive()
+        if self.asleep:
+            raise ServiceUnavailable("the engine is asleep (POST /wake_up wakes it)")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None, priority: int, queue: asyncio.Queue,
                     pooling: PoolingParams | None = None) -> None:
-        self.check_alive()
+        self.check_awake()
         self._send(self._track(request_id, prompt_token_ids, params, eos_token_id, priority, queue, pooling))
 
     def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]], eos_token_id: int | None,
                      priority: int, queue: asyncio.Queue, lora_request: LoRARequest | None = None) -> None:
         """(request id, prompt, params) each, in one message, so that the engine starts them in the same step:
         the samples of one API request, the beams of one beam-search step."""
-        self.check_alive()
+        self.check_awake()
         self._send(AddRequests([self._track(request_id, prompt_token_ids, params, eos_token_id, priority, queue,
                                             lora_request=lora_request)
                                 for request_id, prompt_token_ids, params in requests]))
@@ -283,7 +322,17 @@ class EngineClient:
         """vLLM's reset_prefix_cache: the engine forgets every cached prefix; returns its state after it."""
         return await self._stats_call(ResetPrefixCache(next(self._query_ids)), timeout_s)
 
-    async def _stats_call(self, msg: StatsQuery | ResetPrefixCache, timeout_s: float) -> SchedulerStats:
+    async def sleep(self, level: int, mode: str) -> SleepReply:
+        """vLLM's sleep; the reply comes once the engine is asleep ("wait": after its requests have finished, which
+        has no time limit here: the caller's HTTP client has one)."""
+        return await self._stats_call(Sleep(next(self._query_ids), level, mode), None)
+
+    async def wake_up(self, tags: list[str] | None, timeout_s: float = 600.0) -> SleepReply:
+        """vLLM's wake_up: the parts in tags ("weights", "kv_cache"), both when None; level 2 reloads the weights."""
+        return await self._stats_call(WakeUp(next(self._query_ids), tags), timeout_s)
+
+    async def _stats_call(self, msg: StatsQuery | ResetPrefixCache | Sleep | WakeUp,
+                          timeout_s: float | None):
         self.check_alive()
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters[msg.query_id] = waiter

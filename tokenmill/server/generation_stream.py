@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenmill.api.errors import EngineDeadError, StreamStalled
+from tokenmill.api.errors import EngineDeadError, RequestAborted, StreamStalled
 from tokenmill.api.tracing import RequestTrace
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineCoreOutput, RequestError
@@ -123,7 +123,7 @@ class GenerationStream:
             items.append(self.queue.get_nowait())
         deltas: dict[str, SampleDelta] = {}
         for item in items:
-            if isinstance(item, (EngineDeadError, StreamStalled)):
+            if isinstance(item, (EngineDeadError, StreamStalled, RequestAborted)):
                 self.unfinished.clear()
                 raise item
             if isinstance(item, RequestError):

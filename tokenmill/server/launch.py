@@ -53,6 +53,8 @@ def run_from_cli(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}") from None
     if server_config.lora_modules and not engine_config.enable_lora:
         raise SystemExit("error: --lora-modules needs --enable-lora")
+    if server_config.wake_on_demand and not engine_config.enable_sleep_mode:
+        raise SystemExit("error: --wake-on-demand needs --enable-sleep-mode")
     configure_logging(server_config.log_format)
     try:
         import uvloop

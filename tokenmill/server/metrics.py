@@ -63,6 +63,9 @@ class _Parent:
     max_generated: int = 0
 
 
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vllm:engine_sleep_state's labels, by sleep level
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool, cache_dtype: str = "auto", max_loras: int = 0):
@@ -167,6 +170,12 @@ class ServerMetrics:
                                         for source in ("local_compute", "local_cache_hit", "external_kv_transfer")}
         self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
                                             "Number of cached prompt tokens (local + external).")
+        # vLLM's sleep state (POST /sleep, /wake_up): 1 on the series of the current state, 0 on the others
+        sleep_state = Gauge("vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; "
+                            "awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; "
+                            "discard_all = 1 means sleep level 2.", ["model_name", "sleep_state"], registry=r)
+        self._sleep_state = {state: sleep_state.labels(model_name, state) for state in SLEEP_STATES}
+        self.record_sleep_state(0)
         self._engine_totals = (0, 0, 0)  # prefix queries, prefix hits, preemptions, as last reported
         self._tracked: dict[str, _Tracked] = {}
         # plain copies for the periodic stats line (prometheus_client has no public read of a counter)
@@ -174,6 +183,11 @@ class ServerMetrics:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._logged = (0.0, 0, 0, 0, 0, 0, 0.0)  # time, prompt, generation, prefix queries, hits, steps, mask s
+
+    def record_sleep_state(self, level: int) -> None:
+        """0: awake; 1 or 2: asleep at that level (vLLM's weights_offloaded, discard_all)."""
+        for i, state in enumerate(SLEEP_STATES):
+            self._sleep_state[state].set(int(i == level))
 
     # ---- engine state, once per step ----
 

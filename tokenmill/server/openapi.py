@@ -72,6 +72,10 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/load_lora_adapter", "post"): {TEXT: STRING},
     ("/v1/unload_lora_adapter", "post"): {TEXT: STRING},
     ("/reset_prefix_cache", "post"): {},  # with VLLM_SERVER_DEV_MODE: no body, as vLLM
+    ("/sleep", "post"): {},  # the same, with --enable-sleep-mode (tokenmill/server/sleep_mode.py)
+    ("/wake_up", "post"): {},
+    ("/is_sleeping", "get"): {JSON: {"type": "object", "properties": {"is_sleeping": {"type": "boolean"}},
+                                     "required": ["is_sleeping"]}},
     ("/tokenize", "post"): {JSON: _ref("TokenizeResponse")},
     ("/detokenize", "post"): {JSON: _ref("DetokenizeResponse")},
     ("/metrics", "get"): {METRICS_CONTENT_TYPE: STRING},  # the Prometheus text exposition format
