@@ -2,7 +2,7 @@
 (median over rounds), the engine process's RSS awake and at each level, and the first token after each wake,
 checked against the greedy text served before any sleep.
 
-Usage: .venv/bin/python benchmarks/sleep_wake.py OUT_DIR [--rounds 5] [--port 8000] [-- extra serve flags]
+Usage: .venv/bin/python benchmarks/sleep_wake.py OUT_DIR [--rounds 5] [--port 8000] [serve flags...]
     .venv/bin/python benchmarks/sleep_wake.py benchmarks/runs/sleep-wake --rounds 5
 Starts `tokenmill serve --enable-sleep-mode` with VLLM_SERVER_DEV_MODE=1 (vLLM's dev endpoints) and stops it
 at the end. Writes sleep_wake.json."""
@@ -49,12 +49,11 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("serve_flags", nargs="*")
-    args = parser.parse_args()
+    args, serve_flags = parser.parse_known_args()  # the rest goes to tokenmill serve
     os.makedirs(args.out_dir, exist_ok=True)
     base = f"http://127.0.0.1:{args.port}"
     command = [os.path.join(os.path.dirname(sys.executable), "tokenmill"), "serve", "--port", str(args.port),
-               "--enable-sleep-mode", *args.serve_flags]
+               "--enable-sleep-mode", *serve_flags]
     log = open(os.path.join(args.out_dir, "server.log"), "w")  # noqa: SIM115 - for the server's life
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENMILL_NO_PROGRESS": "1"})

@@ -192,8 +192,16 @@ def test_openapi_documents_every_status(app):
                     "$ref": "#/components/schemas/ErrorResponse"}, (path, status)
     ops = {(path, method): op for path, method, op in _operations(doc)}
     content = {key: op["responses"]["200"]["content"] for key, op in ops.items()}
+    # a request that can ask for a stream documents the stream as well as the JSON (a batch of chats refuses stream)
+    for key, op in ops.items():
+        body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+        refs_ = [s["$ref"].rsplit("/", 1)[-1] for s in (body, *body.get("anyOf", ())) if "$ref" in s]
+        if any("stream" in schemas[ref].get("properties", {}) for ref in refs_) and not key[0].endswith("/batch"):
+            assert set(content[key]) == {"application/json", "text/event-stream"}, key
     assert set(content["/v1/chat/completions", "post"]) == {"application/json", "text/event-stream"}
     assert set(content["/v1/completions", "post"]) == {"application/json", "text/event-stream"}
+    assert content["/v1/responses", "post"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ResponseObject"}
     assert set(content["/metrics", "get"]) == {METRICS_CONTENT_TYPE}
     assert set(content["/dashboard", "get"]) == {"text/html"}
     for path in ("/health", "/health/ready", "/health/live"):

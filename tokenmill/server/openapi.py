@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from tokenmill.api import chat_protocol as chp, completion_protocol as cp, protocol as p
 from tokenmill.server import models_protocol as mp
 from tokenmill.server import pooling_protocol as pp
+from tokenmill.server import responses_protocol as rp
 from tokenmill.server import tokenization_protocol as tp
 from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -24,7 +25,7 @@ JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
 RESPONSE_STRUCTS = (p.ErrorResponse, mp.ModelList, cp.CompletionResponse, cp.CompletionStreamResponse,
                     chp.ChatCompletionResponse,
                     chp.ChatCompletionChunk, chp.ChatCompletionUsageChunk, tp.TokenizeResponse, tp.DetokenizeResponse,
-                    *pp.RESPONSE_STRUCTS)
+                    *pp.RESPONSE_STRUCTS, rp.ResponseObject, *rp.STREAM_EVENTS)
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -60,6 +61,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/completions", "post"): {JSON: _ref("CompletionResponse"), SSE: _events("CompletionStreamResponse")},
     ("/v1/chat/completions", "post"): {JSON: _ref("ChatCompletionResponse"),
                                        SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk")},
+    ("/v1/responses", "post"): {JSON: _ref("ResponseObject"), SSE: _events(*(e.__name__ for e in rp.STREAM_EVENTS))},
+    ("/v1/responses/{response_id}", "get"): {JSON: _ref("ResponseObject")},
     ("/v1/chat/completions/batch", "post"): {JSON: _ref("ChatCompletionResponse")},
     ("/invocations", "post"): {  # whichever endpoint the body's shape selects (invocations.py)
         JSON: {"anyOf": [_ref(name) for name in ("ChatCompletionResponse", "CompletionResponse", "EmbeddingResponse",

@@ -235,3 +235,8 @@ class ArgumentsDoneEvent(ItemEvent):
     """response.function_call_arguments.done."""
     name: str
     arguments: str
+
+
+# every event a /v1/responses stream sends (tokenmill/server/openapi.py documents the stream with them)
+STREAM_EVENTS = (LifecycleEvent, OutputItemEvent, ContentPartEvent, TextDeltaEvent, TextDoneEvent,
+                 ArgumentsDeltaEvent, ArgumentsDoneEvent)
