@@ -21,7 +21,7 @@ import time
 import httpx
 import psutil
 
-from startup import cpu_model
+from startup import provenance
 
 PROMPT = "The capital of France is"
 
@@ -104,7 +104,7 @@ def main() -> None:
               f"engine RSS {s['rss_awake_mib']:.0f} MiB awake, {s['rss_asleep_mib']:.0f} MiB asleep; "
               f"same greedy text: {s['all_same_text']}")
     with open(os.path.join(args.out_dir, "sleep_wake.json"), "w") as f:
-        json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
+        json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), **provenance(),
                    "command": " ".join(command), "rounds": args.rounds, "summary": summary, "runs": rows}, f,
                   indent=1)
 

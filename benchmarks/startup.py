@@ -1,5 +1,6 @@
 """Start-up, exec to ready, of tokenmill and the peers, in turns on one machine: the phases of tokenmill's start
-read from its own log lines, and for every server the seconds to /health 200 and to the first streamed token.
+read from its own log lines, and for every server the seconds to /health 200 (/v1/models 200 for a server without
+/health: llama-cpp-python's) and to the first streamed token.
 
 Each round starts every named server once, one at a time (never two at once: they would share the 2 cores), in
 an order rotated every round, and stops it with SIGTERM before the next starts. A server's phases are the
@@ -84,7 +85,11 @@ def one_start(name: str, command: str, out_dir: str, round_no: int, timeout: flo
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
                 try:
-                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    status = httpx.get(f"{base}/health", timeout=2).status_code
+                    if status == 404:  # llama-cpp-python's server has no /health: ready when it lists its model
+                        status = httpx.get(f"{base}/v1/models", timeout=2).status_code
+                        row["ready_path"] = "/v1/models"
+                    if status == 200:
                         row["health_200_s"] = round(time.time() - t0, 3)
                         break
                 except httpx.HTTPError:
@@ -143,16 +148,27 @@ def main() -> None:
         if s["phases"]:
             print(f"{name} phases: " + ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items()))
     with open(os.path.join(args.out_dir, "startup.json"), "w") as f:
-        json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
+        json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), **provenance(),
                    "servers": dict(servers), "rounds": args.rounds, "summary": summary, "runs": runs}, f, indent=1)
 
 
-def cpu_model() -> str:
+def provenance() -> dict:
+    """What a results table records beside the figures: the CPU (name, family/model, the flags the kernels dispatch
+    on) and the commit."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    return {"cpu": info.get("model name", "unknown"), "cpu_family": info.get("cpu family"),
+            "cpu_model": info.get("model"), "cpu_flags": [f for f in wanted if f in info.get("flags", "").split()],
+            "commit": commit}
 
 
 if __name__ == "__main__":
