@@ -49,7 +49,8 @@ def sleepy(events_port):
 @pytest.fixture(scope="module")
 def on_demand(tiny_llama_dir):
     """A tiny model that wakes on demand, with a 256 MiB pool."""
-    s = RemoteServer(["--enable-sleep-mode", "--wake-on-demand", "--max-model-len", "8192", "--kv-cache-memory", "256MiB",
+    s = RemoteServer(["--enable-sleep-mode", "--wake-on-demand", "--max-model-len", "8192",
+                      "--kv-cache-memory", "256MiB",
                       "--dtype", "float32", "--uvicorn-log-level", "warning"],
                      env={"VLLM_SERVER_DEV_MODE": "1"}, model=tiny_llama_dir, server_args=[])
     yield s
@@ -107,8 +108,8 @@ def counter(server, name: str) -> float:
 
 
 def test_levels_free_memory_and_a_wake_restores_outputs_prefix_caching_and_metrics(sleepy):
-    """Level 1 frees at least 90% of the KV pool's bytes (a pool every block of which has been written); level 2 brings the engine within 150 MB of itself before it
-    loaded the model; after each wake the greedy output is the same, a repeated prompt finds its prefix cached, and
+    """Level 1 frees at least 90% of the KV pool's bytes (a pool every block of which has been written); level 2
+    brings the engine within 150 MB of itself before it loaded the model; after each wake the greedy output is the same, a repeated prompt finds its prefix cached, and
     the request and token counters go on adding up."""
     before = complete(sleepy).json()
     fill_pool(sleepy)
