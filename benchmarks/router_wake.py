@@ -20,44 +20,10 @@ import sys
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from router_resilience import metric, wait_http
+from sleep_wake import completion
 from startup import provenance
-
-BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": True}
-
-
-def ttft(base: str, model: str) -> float:
-    t0 = time.perf_counter()
-    with httpx.stream("POST", f"{base}/v1/completions", json={**BODY, "model": model}, timeout=120) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
-                return time.perf_counter() - t0
-    raise RuntimeError("no token")
-
-
-def wake_seconds(router: str) -> tuple[float, float]:
-    total = count = 0.0
-    for family in text_string_to_metric_families(httpx.get(f"{router}/metrics", timeout=10).text):
-        for s in family.samples:
-            if s.name == "tokenmill_router:wake_seconds_sum":
-                total = s.value
-            elif s.name == "tokenmill_router:wake_seconds_count":
-                count = s.value
-    return total, count
-
-
-def wait(predicate, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if predicate():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("timed out")
 
 
 def main() -> None:
@@ -71,22 +37,27 @@ def main() -> None:
     replica, router = "http://127.0.0.1:8310", "http://127.0.0.1:8300"
     procs = []
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENMILL_NO_PROGRESS": "1"}
-    for name, cmd in (("server", [f"{bin_dir}/tokenmill", "serve", "--port", "8310", "--enable-sleep-mode"]),
-                      ("router", [f"{bin_dir}/tokenmill", "router", "--port", "8300", "--policy", "least_load",
-                                  "--backend", replica, "--sleep-after-idle", str(args.idle), "--min-awake", "0"])):
+    for url, name, cmd in ((replica, "server", [f"{bin_dir}/tokenmill", "serve", "--port", "8310",
+                                                "--enable-sleep-mode"]),
+                           (router, "router", [f"{bin_dir}/tokenmill", "router", "--port", "8300", "--policy",
+                                               "least_load", "--backend", replica, "--sleep-after-idle",
+                                               str(args.idle), "--min-awake", "0"])):
         log = open(os.path.join(args.out_dir, f"{name}.log"), "w")  # noqa: SIM115 - for the process's life
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env))
-        wait(lambda u=(replica if name == "server" else router): httpx.get(f"{u}/health", timeout=2).status_code
-             == 200, 300)
+        wait_http(f"{url}/health", procs[-1], 300)
     try:
         model = httpx.get(f"{replica}/v1/models").json()["data"][0]["id"]
         rows = []
         for r in range(args.rounds):
-            awake = ttft(router, model)
-            wait(lambda: httpx.get(f"{replica}/is_sleeping", timeout=2).json()["is_sleeping"], 60)
-            before = wake_seconds(router)
-            asleep = ttft(router, model)
-            after = wake_seconds(router)
+            _, awake = completion(router, model)
+            deadline = time.time() + 60  # the router puts the idle replica to sleep
+            while not httpx.get(f"{replica}/is_sleeping", timeout=2).json()["is_sleeping"]:
+                if time.time() > deadline:
+                    raise SystemExit("the router did not put the replica to sleep")
+                time.sleep(0.05)
+            before = [metric(router, f"tokenmill_router:wake_seconds_{k}") for k in ("sum", "count")]
+            _, asleep = completion(router, model)
+            after = [metric(router, f"tokenmill_router:wake_seconds_{k}") for k in ("sum", "count")]
             assert after[1] == before[1] + 1, "one wake per sleeping round"
             rows.append({"round": r, "ttft_awake_s": round(awake, 4), "ttft_asleep_s": round(asleep, 4),
                          "wake_s": round(after[0] - before[0], 4)})

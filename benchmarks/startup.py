@@ -28,6 +28,8 @@ import time
 
 import httpx
 
+from tokenmill.bench.env_probe import cpuinfo
+
 # tokenmill's log lines that close a phase, in the order they come
 PHASES = [
     ("api_server_up", "Started server process"),  # the port is bound and answers /health/live
@@ -156,14 +158,7 @@ def main() -> None:
 def provenance() -> dict:
     """What a results table records beside the figures: the CPU (name, family/model, the flags the kernels dispatch
     on) and the commit."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    info = cpuinfo()
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()

@@ -7,13 +7,24 @@ import shutil
 import subprocess
 
 
-def hardware() -> dict:
-    cpu = platform.processor() or platform.machine()
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ("model name", "cpu family", "model", "flags", ...); {} where
+    there is none."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
     except OSError:
         pass
+    return info
+
+
+def hardware() -> dict:
+    cpu = cpuinfo().get("model name") or platform.processor() or platform.machine()
     gpu = None
     if shutil.which("nvidia-smi"):
         try:
