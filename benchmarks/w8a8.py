@@ -1,8 +1,8 @@
-"""W8A8 prefill against the dense path, per kernel ISA this CPU runs (issue 41: W8A8 prefill tok/s >= 1.6x dense).
+"""W8A8 prefill against the dense path, per kernel path this CPU runs (issue 41: W8A8 prefill tok/s >= 1.6x dense).
 
-Two measures, each per ISA build (TOKENMILL_CPU_ISA=avx512, then avx2: the AVX-512 build takes its VNNI path
-where the CPU has it; the AVX2 build is the vpmaddubsw path), each in a child process of its own since the
-kernels are chosen once per process:
+Two measures, each per W8A8 path, each in a child process of its own since the kernel build is chosen once per
+process: the AVX-512 build (TOKENMILL_CPU_ISA=avx512) with each of its paths the CPU runs (amx_int8 on AMX CPUs,
+avx512_vnni; chosen with the w8a8_select_path op), then the AVX2 build (its vpmaddubsw path):
 - engine: a --tokens prefill (one prompt, max_tokens 1) through the offline engine of the default model, dense
   (--quantization none) against --quantization w8a8, in each --dtypes (bfloat16 where the CPU has native bf16:
   the serving dtype; float32, the dense path of CPUs without it). tok/s of the fastest of --repeats runs.
@@ -11,7 +11,7 @@ kernels are chosen once per process:
   weight) against w8a8_linear; ms per call, fastest of those made in --seconds.
 
     .venv/bin/python benchmarks/w8a8.py [--tokens 512] [--repeats 5] [--threads 2] [--isas avx512,avx2]
-        [--dtypes bfloat16,float32] [--linear-rows 1,8,512] [--skip-engine] [--skip-linears]
+        [--dtypes bfloat16,float32] [--linear-rows 1,8,512] [--skip-engine] [--skip-linears] [--json OUT]
 
 Timings on a shared machine mean little: run it on a quiet one. A smoke run: --tokens 32 --repeats 1
 --seconds 0.05."""
@@ -88,6 +88,7 @@ def child(args) -> None:
     import torch
     torch.set_num_threads(args.threads)
     from tokenmill.kernels import cpu_ops
+    cpu_ops().w8a8_select_path(args.path)
     out = {"isa": os.environ.get("TOKENMILL_CPU_ISA"), "path": cpu_ops().w8a8_linear_path(), "rows": []}
     if not args.skip_linears:
         out["rows"] += linear_rows(args)
@@ -107,7 +108,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-linears", action="store_true")
+    parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--path", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -120,14 +123,24 @@ def main() -> None:
             "--threads", str(args.threads), "--dtypes", args.dtypes]
     argv += ["--linear-rows", args.linear_rows] if args.linear_rows else []
     argv += ["--skip-engine"] * args.skip_engine + ["--skip-linears"] * args.skip_linears
+    runs = []
     for isa in isas:
+        paths = ["auto"]
+        if isa == "avx512":
+            paths = [p for p, need in (("amx_int8", {"amx_tile", "amx_int8"}), ("avx512_vnni", {"avx512_vnni"}))
+                     if need <= cpu_flags()] or ["auto"]
+        runs += [(isa, path) for path in paths]
+    results = []
+    for isa, path in runs:
         env = {**os.environ, "TOKENMILL_CPU_ISA": isa, "TOKENMILL_NO_PROGRESS": "1"}
-        proc = subprocess.run([sys.executable, __file__, "--child", *argv], env=env, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, __file__, "--child", "--path", path, *argv], env=env,
+                              capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             print(f"{isa}: failed\n{proc.stderr[-3000:]}")
             continue
         result = json.loads(line.removeprefix("RESULT "))
+        results.append(result)
         print(f"\nbuild {isa}, w8a8 path {result['path']}")
         for r in result["rows"]:
             if r["measure"] == "linear":
@@ -139,6 +152,11 @@ def main() -> None:
                 dense, w8a8 = engine[(dtype, "none")], engine[(dtype, "w8a8")]
                 print(f"  engine prefill {dtype:>9}: dense {dense:9.1f} tok/s  w8a8 {w8a8:9.1f} tok/s  "
                       f"({w8a8 / dense:.2f}x)")
+    if args.json:
+        from tokenmill.bench.env_probe import hardware
+        with open(args.json, "w") as f:
+            json.dump({"hardware": hardware(), "flags": flags, "threads": args.threads, "tokens": args.tokens,
+                       "runs": results}, f, indent=1)
 
 
 if __name__ == "__main__":

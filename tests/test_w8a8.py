@@ -1,8 +1,9 @@
 """W8A8 linear layers (`--quantization w8a8`: tokenmill/kernels/csrc/w8a8.cpp, models/quantization.py W8A8Weight).
 
-Kernels, on every ISA build this CPU runs (the AVX-512 build takes its VNNI path where the CPU has AVX512-VNNI;
-the AVX2 build is the vpmaddubsw path, forced here on AVX-512 machines), for row counts from a decode step to a
-prefill chunk and K, N with tails (K not a multiple of 4 or of the vector width, N not a multiple of 16):
+Kernels, on every path this CPU runs (the AVX-512 build's AMX-INT8 path on AMX CPUs and its VNNI path on AVX512-VNNI
+ones, both selected in turn with w8a8_select_path; the AVX2 build's vpmaddubsw path, forced here on AVX-512
+machines), for row counts from a decode step to a prefill chunk and K, N with tails (K not a multiple of 4 or of
+the vector width, N not a multiple of 16):
 - the activations' quantization (per token and 64 K) equals torch's formula bit for bit;
 - the int32 sums of each 64-K block equal the exact integer product of the two int8 matrices, also at the
   extremes where an int16 pair sum of vpmaddubsw could saturate (activations -128, weights +-127);
@@ -35,16 +36,43 @@ ROWS = [1, 3, 16, 100, 257]
 SHAPES = [(37, 30), (16, 6), (100, 96), (129, 577), (33, 1536), (48, 200)]
 
 
-@pytest.fixture(params=ISAS, scope="module")
+
+def best_path(isa: str, flags: set[str]) -> str:
+    if isa == "avx512" and {"amx_tile", "amx_int8"} <= flags:
+        return "amx_int8"
+    return "avx512_vnni" if isa == "avx512" and "avx512_vnni" in flags else "avx2"
+
+
+# (build, path): every path of every build this CPU runs (an AVX-512 build without VNNI runs the AVX2 path)
+PATHS = sorted({(isa, p) for isa in ISAS for p in ("amx_int8", "avx512_vnni", "avx2")
+                if p == "avx2" or (isa == "avx512" and p in {best_path(isa, cpu_flags()), "avx512_vnni"}
+                                   and "avx512_vnni" in cpu_flags())})
+
+
+@pytest.fixture(params=PATHS, ids=lambda p: f"{p[0]}-{p[1]}", scope="module")
 def ops(request):
-    return load_ops(request.param)
+    isa, path = request.param
+    ops = load_ops(isa)
+    previous = ops.w8a8_select_path(path)
+    assert ops.w8a8_linear_path() == path
+    yield ops
+    ops.w8a8_select_path("auto")
+    assert ops.w8a8_linear_path() == previous
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_path_is_the_cpus(isa):
-    """The AVX-512 build takes VNNI where the CPU has it; the AVX2 build, forced here, never does."""
-    vnni = isa == "avx512" and "avx512_vnni" in cpu_flags()
-    assert load_ops(isa).w8a8_linear_path() == ("avx512_vnni" if vnni else "avx2")
+    """The AVX-512 build takes AMX-INT8 where the CPU has it, else VNNI where it has that; the AVX2 build, forced
+    here, never does; a path the CPU does not run is refused by name."""
+    ops = load_ops(isa)
+    assert ops.w8a8_linear_path() == best_path(isa, cpu_flags())
+    for path in ("amx_int8", "avx512_vnni"):
+        if (isa, path) not in PATHS:
+            with pytest.raises(RuntimeError, match=path):
+                ops.w8a8_select_path(path)
+    with pytest.raises(RuntimeError, match="unknown path 'sse2'"):
+        ops.w8a8_select_path("sse2")
+    assert ops.w8a8_linear_path() == best_path(isa, cpu_flags())
 
 
 def reference_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

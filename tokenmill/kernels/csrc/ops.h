@@ -59,6 +59,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 std::tuple<at::Tensor, at::Tensor> w8a8_quantize(const at::Tensor& x);
 at::Tensor w8a8_int_gemm(const at::Tensor& xq, const at::Tensor& qweight, const at::Tensor& meta);
 std::string w8a8_linear_path();
+std::string w8a8_select_path(const std::string& path);  // a path this CPU runs, or auto; returns the previous
 
 // lora.cpp: out[t, shard j] += (x[t] @ A[j, slot]^T) @ B^T[slot, :, shard j] for every token t of every segment
 // with a slot; see lora.cpp and tokenmill/lora/layers.py for the layouts.

@@ -40,6 +40,7 @@ TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("w8a8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("w8a8_int_gemm(Tensor xq, Tensor qweight, Tensor meta) -> Tensor");
   m.def("w8a8_linear_path() -> str", [] { return TM_NAMESPACE::w8a8_linear_path(); });
+  m.def("w8a8_select_path(str path) -> str", [](std::string p) { return TM_NAMESPACE::w8a8_select_path(p); });
   m.def("lora_delta(Tensor(a!) out, Tensor x, Tensor a, Tensor b_t, Tensor segments, Tensor ranks, int[] shard_out) "
         "-> ()");
 }

@@ -19,7 +19,7 @@
 //   matrices on every path (the tests compare them bit for bit), and y[m, n] = sw_n sum_b sx_mb sum_b + b_n,
 //   float32, rounded once more to bf16 where the model runs in bf16.
 //
-// Two instruction paths, chosen at run time like quant_linear.cpp's:
+// Three instruction paths, the best the CPU runs chosen at run time like quant_linear.cpp's:
 // - AVX512-VNNI: vpdpbusd multiplies unsigned by signed bytes, so each activation is stored as xq + 128 (u8 in
 //   1..255) and the 128 sum_{k in b} wq that this adds is subtracted per output and block (SGLang's sgl-kernel
 //   CPU int8 GEMM and oneDNN's u8s8 GEMM compensate the same way; the sums are computed once at load, in meta:
@@ -29,22 +29,39 @@
 //   Instead, as llama.cpp does, it multiplies |xq| (u8, <= 127) by sign(xq) wq (vpsignb, s8: |wq| <= 127 because
 //   -128 is never produced): a pair sums to at most 2 * 127 * 127 = 32258 < 32767, so it cannot saturate (the
 //   tests run it at that bound); vpmaddwd by ones then widens pairs into int32.
-// There is no AMX-INT8 path: build.py has no AMX variant, and the CPUs this is developed on (Zen 4/5) lack AMX,
-// so it could not be tested.
+// - AMX-INT8 (Sapphire Rapids and later, in the AVX-512 build): tdpbssd multiplies signed by signed bytes, so the
+//   activations stay int8 and need no compensation. A tile holds 16 rows x 64 bytes: the A tile is 16 tokens x one
+//   64-K block, and the B tile is exactly one group's block in the layout below (16 rows of 16 outputs x 4 K,
+//   64 bytes apart), so the packed weight is read in place. One tdpbssd gives a 16 x 16 block of int32 sums; it
+//   goes through memory (tilestored) into 16 float accumulators, scaled by each token's block scale (the scale per
+//   64 K is what keeps this from accumulating all of K in the tile, as a bf16 AMX GEMM does). Four blocks per
+//   round in four sum tiles keep four tdpbssd in flight while the previous round is scaled. The kernel asks Linux
+//   for the tile data state once (arch_prctl ARCH_REQ_XCOMP_PERM) and configures the
+//   tiles at the start of each parallel work item (oneDNN, which the dense path calls on the same threads,
+//   configures its own), releasing them after.
+// w8a8_select_path() picks another path this CPU runs (the tests check each; benchmarks compare them).
 //
 // Layout: qweight [N/16][K/4][16][4] int8 (N padded to 16 outputs, K to a multiple of 64 with zero weights): one
 // 64-byte vector holds 16 outputs x 4 consecutive K, the 32-bit lane vpdpbusd takes. meta float32
 // [N/16][1 + K/64][16]: per group of 16 outputs sw, then per K block 128 sum_{k in b} wq (exact integers).
 // Register blocking: 6 rows x 32 outputs on AVX-512 (12 int32 and 12 float accumulators), 4 rows x 8 outputs on
-// AVX2 (16 registers); the weight tile stays in L1/L2 while every row block of the chunk streams past it.
+// AVX2 (16 registers), 16 rows x 16 outputs on AMX (a tile; 16 float accumulators); the weight tile stays in L1/L2
+// while every row block of the chunk streams past it. On AMX a work item spans 8 groups, rows outer, so that each
+// output row is written 512 bytes at a time: one 64-byte piece per row, 12 KB apart, ran 2-4x slower.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -64,6 +81,8 @@ constexpr int kSteps = kBlock / 4;  // 4-K steps per block
 constexpr int kRowsVnni = 6;        // rows per register block on AVX-512 (6 x 2 int32 + 6 x 2 float)
 constexpr int kGroupsVnni = 2;      // groups per register block on AVX-512: 32 outputs
 constexpr int kRowsAvx2 = 4;        // AVX2: 4 rows x 8 outputs (4 int32 + 4 float accumulators)
+constexpr int kRowsAmx = 16;        // AMX: a tile's 16 rows x one group of 16 outputs (16 float accumulators)
+constexpr int kRowsMax = kRowsAmx;  // the buffers' rows; activations are padded to a multiple of it
 constexpr int64_t kRowChunk = 240;  // rows per parallel work item: a chunk of activations stays in L2
 
 inline int32_t load32(const void* p) {
@@ -81,18 +100,69 @@ bool use_vnni() {
 #endif
 }
 
+// AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25), and Linux's permission to use the tile data (XFEATURE 18;
+// without it the first tile instruction faults).
+bool use_amx() {
+#if defined(__AVX512F__)
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0 && use_vnni();
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // ---- activations: per row and 64-K block, xq = round(x * 127 / amax), plus 128 for the VNNI path (as u8) ----
+
+#if defined(__AVX512F__)
+// One row's 64-K block on AVX-512: four vectors, the block's amax, then round(x * 127 / amax) as the scalar loop
+// below does (vcvtps2dq rounds half to even under the default MXCSR, as nearbyint and torch.round do).
+template <typename In>
+inline float quantize_block_avx512(const In* src, int64_t n, int offset, uint8_t* dst) {
+  __m512 v[4];
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, n - 16 * i));
+    const __mmask16 m = static_cast<__mmask16>((1u << left) - 1);
+    if constexpr (std::is_same_v<In, float>) {
+      v[i] = _mm512_maskz_loadu_ps(m, src + 16 * i);
+    } else {
+      const __m256i h = _mm256_maskz_loadu_epi16(m, src + 16 * i);
+      v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+  }
+  const float a = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(offset);
+  for (int i = 0; i < 4; ++i) {
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));
+    q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), off);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * i), _mm512_cvtepi32_epi8(q));
+  }
+  return a / 127.0f;
+}
+#endif
 
 template <typename In>
 void quantize_rows(const In* x, int64_t stride, int64_t M, int64_t K, int64_t kp, bool shift, uint8_t* q,
                    float* scale) {
   const int64_t nb = kp / kBlock;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    float f[kBlock];
+    [[maybe_unused]] float f[kBlock];
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t k0 = b * kBlock, n = std::min<int64_t>(kBlock, K - k0);
         const In* src = x + r * stride + k0;
+        const int offset = shift ? 128 : 0;
+        uint8_t* dst = q + r * kp + k0;
+#if defined(__AVX512F__)
+        scale[r * nb + b] = quantize_block_avx512(src, n, offset, dst);
+#else
         float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
         for (int64_t k = 0; k < n; ++k) {
@@ -102,14 +172,13 @@ void quantize_rows(const In* x, int64_t stride, int64_t M, int64_t K, int64_t kp
         }
         for (int64_t k = n; k < kBlock; ++k) f[k] = 0.0f;  // K's tail: against zero weights
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const int offset = shift ? 128 : 0;
-        uint8_t* dst = q + r * kp + k0;
 #pragma omp simd
         for (int k = 0; k < kBlock; ++k) {
           const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(f[k] * inv)));
           dst[k] = static_cast<uint8_t>(static_cast<int>(v) + offset);
         }
         scale[r * nb + b] = amax / 127.0f;
+#endif
       }
     }
   });
@@ -205,14 +274,106 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const uint8_t* x, int64
   }
 }
 
+
+#if defined(__AVX512F__)
+// The tile configuration (palette 1): tiles 0-1 activations (A: 16 rows x 64 bytes), 2-3 weights (B: 16 rows of
+// 16 outputs x 4 K), 4-5 sums (C: 16 rows x 16 int32); each pair alternates between even and odd blocks.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  // ldtilecfg as asm with the config as its memory operand: gcc 12's _tile_loadconfig builtin does not count as a
+  // read of the struct, and the stores of colsb and rows were dropped as dead (every tile then faults)
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// 16 rows (the activations are padded to them) x one group, all K. Raw: out int32 [16][K/64][16]; else out
+// float32 [16][16] = sum_b sx[r][b] (block b's sums). Four blocks per round, each in its own sum tile (4-7),
+// so that four tdpbssd are in flight while the previous round's sums are scaled.
+#define TM_AMX_BLOCK(C, A, B, BLK)                  \
+  _tile_zero(C);                                     \
+  _tile_loadd(A, x + (BLK) * kBlock, kp);            \
+  _tile_loadd(B, w + (BLK) * kSteps * 64, 64);       \
+  _tile_dpbssd(C, A, B)
+#define TM_AMX_SCALE(J, BLK)                                                                            \
+  for (int r = 0; r < kRowsAmx; ++r)                                                                    \
+    facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[J][r])), _mm512_set1_ps(xs[r * nb + (BLK)]), \
+                              facc[r])
+
+template <int R, int G, bool Raw>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw"))) void block_amx(const uint8_t* x, int64_t kp,
+                                                                           const float* xs, const int8_t* w,
+                                                                           int64_t /*group_stride*/,
+                                                                           const float* /*meta*/,
+                                                                           int64_t /*meta_stride*/, void* out) {
+  static_assert(G == 1);
+  const int64_t nb = kp / kBlock;
+  alignas(64) int32_t c[4][kRowsAmx][kGroup];
+  __m512 facc[kRowsAmx];
+  for (int r = 0; r < kRowsAmx; ++r) facc[r] = _mm512_setzero_ps();
+  int32_t* raw = static_cast<int32_t*>(out);
+  const int64_t raw_stride = nb * kGroup * 4;  // bytes between rows of the raw output
+  int64_t b = 0;
+  for (; b + 3 < nb; b += 4) {
+    TM_AMX_BLOCK(4, 0, 2, b);
+    TM_AMX_BLOCK(5, 1, 3, b + 1);
+    TM_AMX_BLOCK(6, 0, 2, b + 2);
+    TM_AMX_BLOCK(7, 1, 3, b + 3);
+    if constexpr (Raw) {
+      _tile_stored(4, raw + b * kGroup, raw_stride);
+      _tile_stored(5, raw + (b + 1) * kGroup, raw_stride);
+      _tile_stored(6, raw + (b + 2) * kGroup, raw_stride);
+      _tile_stored(7, raw + (b + 3) * kGroup, raw_stride);
+    } else {
+      _tile_stored(4, c[0], 64);
+      _tile_stored(5, c[1], 64);
+      _tile_stored(6, c[2], 64);
+      _tile_stored(7, c[3], 64);
+      TM_AMX_SCALE(0, b);
+      TM_AMX_SCALE(1, b + 1);
+      TM_AMX_SCALE(2, b + 2);
+      TM_AMX_SCALE(3, b + 3);
+    }
+  }
+  for (; b < nb; ++b) {
+    TM_AMX_BLOCK(4, 0, 2, b);
+    if constexpr (Raw) {
+      _tile_stored(4, raw + b * kGroup, raw_stride);
+    } else {
+      _tile_stored(4, c[0], 64);
+      TM_AMX_SCALE(0, b);
+    }
+  }
+  if constexpr (!Raw) {
+    float* o = static_cast<float*>(out);
+    for (int r = 0; r < kRowsAmx; ++r) _mm512_storeu_ps(o + r * kGroup, facc[r]);
+  }
+}
+#undef TM_AMX_BLOCK
+#undef TM_AMX_SCALE
+#endif
+
 using BlockFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, const float*, int64_t, void*);
 
-// The kernel of this CPU: blocks by rows (1..rows) and, on AVX-512, by groups (1 or 2, for an odd last group);
+// A path's kernel: blocks by rows (1..rows) and, on AVX-512, by groups (1 or 2, for an odd last group);
 // [0]: float output, [1]: raw per-block sums.
 struct Kernel {
-  std::array<std::array<std::array<BlockFn, kRowsVnni + 1>, kGroupsVnni + 1>, 2> fn{};
+  std::array<std::array<std::array<BlockFn, kRowsMax + 1>, kGroupsVnni + 1>, 2> fn{};
   int rows = 0, groups = 0;
   bool shift = false;  // activations stored as xq + 128 (u8), compensated per output and block
+  bool amx = false;    // tiles configured per work item
+  int span = 1;        // register blocks side by side per work item (gemm)
+  const char* name = "";
 };
 
 template <bool Raw, int... Rs>
@@ -226,29 +387,70 @@ void fill_vnni(Kernel& k, std::integer_sequence<int, Rs...>) {
 }
 #endif
 
-const Kernel& kernel() {
-  static const Kernel k = [] {
-    Kernel k;
+enum Path { kAvx2, kVnni, kAmx, kPaths };
+
+bool runs(int path) { return path == kAvx2 || (path == kVnni && use_vnni()) || (path == kAmx && use_amx()); }
+
+const Kernel& kernel_of(int path) {
+  static const std::array<Kernel, kPaths> kernels = [] {
+    std::array<Kernel, kPaths> ks;
+    Kernel& a = ks[kAvx2];
+    fill_avx2<false>(a, std::make_integer_sequence<int, kRowsAvx2>());
+    fill_avx2<true>(a, std::make_integer_sequence<int, kRowsAvx2>());
+    a.rows = kRowsAvx2;
+    a.groups = 1;
+    a.name = "avx2";
 #if defined(__AVX512F__)
-    if (use_vnni()) {
-      fill_vnni<false, 1>(k, std::make_integer_sequence<int, kRowsVnni>());
-      fill_vnni<false, 2>(k, std::make_integer_sequence<int, kRowsVnni>());
-      fill_vnni<true, 1>(k, std::make_integer_sequence<int, kRowsVnni>());
-      fill_vnni<true, 2>(k, std::make_integer_sequence<int, kRowsVnni>());
-      k.rows = kRowsVnni;
-      k.groups = kGroupsVnni;
-      k.shift = true;
-      return k;
+    Kernel& v = ks[kVnni];
+    fill_vnni<false, 1>(v, std::make_integer_sequence<int, kRowsVnni>());
+    fill_vnni<false, 2>(v, std::make_integer_sequence<int, kRowsVnni>());
+    fill_vnni<true, 1>(v, std::make_integer_sequence<int, kRowsVnni>());
+    fill_vnni<true, 2>(v, std::make_integer_sequence<int, kRowsVnni>());
+    v.rows = kRowsVnni;
+    v.groups = kGroupsVnni;
+    v.shift = true;
+    v.name = "avx512_vnni";
+    Kernel& t = ks[kAmx];
+    for (int r = 1; r <= kRowsAmx; ++r) {  // always 16 rows computed; the caller reads those it has
+      t.fn[0][1][r] = &block_amx<kRowsAmx, 1, false>;
+      t.fn[1][1][r] = &block_amx<kRowsAmx, 1, true>;
     }
+    t.rows = kRowsAmx;
+    t.groups = 1;
+    t.amx = true;
+    t.span = 8;
+    t.name = "amx_int8";
 #endif
-    fill_avx2<false>(k, std::make_integer_sequence<int, kRowsAvx2>());
-    fill_avx2<true>(k, std::make_integer_sequence<int, kRowsAvx2>());
-    k.rows = kRowsAvx2;
-    k.groups = 1;
-    return k;
+    return ks;
   }();
-  return k;
+  return kernels[path];
 }
+
+int best_path() { return use_amx() ? kAmx : use_vnni() ? kVnni : kAvx2; }
+
+std::atomic<int> selected{-1};  // w8a8_select_path's choice; -1: the best this CPU runs
+
+const Kernel& kernel() {
+  const int p = selected.load(std::memory_order_relaxed);
+  return kernel_of(p < 0 ? best_path() : p);
+}
+
+// Scratch per calling thread, grown to the largest call and kept, on a 64-byte boundary (a tile row that straddles
+// two cache lines loads at about half the speed). Not a fresh buffer per call: a prefill's activations are
+// hundreds of KB, and fresh pages cost their faults on every call (a 512-row gate_up ran 2.3x slower so, on AMX).
+// Elements [from, n) are set to fill; the caller writes those before.
+template <typename T>
+T* scratch(int slot, int64_t n, int64_t from, T fill) {
+  static thread_local std::array<std::vector<char>, 2> buffers;
+  std::vector<char>& v = buffers[slot];
+  const size_t bytes = n * sizeof(T) + 64;
+  if (v.size() < bytes) v.resize(bytes);
+  T* p = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) / 64 * 64);
+  std::fill(p + from, p + n, fill);
+  return p;
+}
+
+int64_t padded_rows(int64_t M) { return (M + kRowsMax - 1) / kRowsMax * kRowsMax; }
 
 void check_weight(const at::Tensor& qweight, const at::Tensor& meta, int64_t K) {
   TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kChar && qweight.is_contiguous() &&
@@ -262,7 +464,8 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& meta, int64_t K) 
               "w8a8: meta is [N/16, 1 + K/64, 16] float32 (scales, then the blocks' weight sums)");
 }
 
-// Every row against every output, handed block by block to emit(m0, rows, n0, width, out) (the block function's
+// Every row against every output, handed block by block (xq and xs hold M rounded up to kRowsMax rows: the AMX
+// path reads whole tiles) to emit(m0, rows, n0, width, out) (the block function's
 // out: float [rows][width], or Raw: int32 [rows][K/64][width]).
 template <bool Raw, typename Emit>
 void gemm(const uint8_t* xq, const float* xs, int64_t M, int64_t kp, const at::Tensor& qweight,
@@ -272,20 +475,32 @@ void gemm(const uint8_t* xq, const float* xs, int64_t M, int64_t kp, const at::T
   const int64_t meta_stride = (1 + nb) * kGroup;
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* mp = meta.data_ptr<float>();
-  const int64_t tiles = (groups + kn.groups - 1) / kn.groups, chunks = (M + kRowChunk - 1) / kRowChunk;
+  // a work item: a chunk of rows x a span of register blocks' groups, rows outer (a row's outputs are written
+  // span x 16 at a time; the span's weights stay in L1/L2 while the chunk's rows pass)
+  const int64_t per_item = kn.groups * kn.span;
+  const int64_t tiles = (groups + per_item - 1) / per_item, chunks = (M + kRowChunk - 1) / kRowChunk;
   at::parallel_for(0, chunks * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<char> buf(kRowsVnni * kGroupsVnni * kGroup * 4 * (Raw ? nb : 1));
+    std::vector<char> buf(kRowsMax * kGroupsVnni * kGroup * 4 * (Raw ? nb : 1));
+#if defined(__AVX512F__)
+    if (kn.amx) amx_configure();
+#endif
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t chunk = i / tiles, g0 = (i % tiles) * kn.groups;
-      const int g = static_cast<int>(std::min<int64_t>(kn.groups, groups - g0));
+      const int64_t chunk = i / tiles, first = (i % tiles) * per_item;
+      const int64_t last = std::min(groups, first + per_item);
       const int64_t m_end = std::min(M, (chunk + 1) * kRowChunk);
       for (int64_t m0 = chunk * kRowChunk; m0 < m_end; m0 += kn.rows) {
         const int rows = static_cast<int>(std::min<int64_t>(kn.rows, m_end - m0));
-        kn.fn[Raw][g][rows](xq + m0 * kp, kp, xs + m0 * nb, w + g0 * group_stride, group_stride,
-                            mp + g0 * meta_stride, meta_stride, buf.data());
-        emit(m0, rows, g0 * kGroup, g * kGroup, buf.data());
+        for (int64_t g0 = first; g0 < last; g0 += kn.groups) {
+          const int g = static_cast<int>(std::min<int64_t>(kn.groups, last - g0));
+          kn.fn[Raw][g][rows](xq + m0 * kp, kp, xs + m0 * nb, w + g0 * group_stride, group_stride,
+                              mp + g0 * meta_stride, meta_stride, buf.data());
+          emit(m0, rows, g0 * kGroup, g * kGroup, buf.data());
+        }
       }
     }
+#if defined(__AVX512F__)
+    if (kn.amx) amx_release();
+#endif
   });
 }
 
@@ -295,10 +510,10 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& qweight, const at:
   using In = std::conditional_t<std::is_same_v<Out, float>, float, uint16_t>;
   const int64_t M = x.size(0), K = x.size(1), kp = qweight.size(1) * 4, nb = kp / kBlock;
   const int64_t padded = qweight.size(0) * kGroup;
-  std::vector<uint8_t> xq(M * kp);
-  std::vector<float> xs(M * nb);
-  quantize_rows<In>(reinterpret_cast<const In*>(x.data_ptr()), x.stride(0), M, K, kp, kernel().shift, xq.data(),
-                    xs.data());
+  const int64_t rows = padded_rows(M);
+  uint8_t* xq = scratch<uint8_t>(0, rows * kp, M * kp, 0);  // the rows past M: zeros, read by the AMX tiles
+  float* xs = scratch<float>(1, rows * nb, M * nb, 0.0f);
+  quantize_rows<In>(reinterpret_cast<const In*>(x.data_ptr()), x.stride(0), M, K, kp, kernel().shift, xq, xs);
   std::vector<float> b(padded, 0.0f), sw(padded);
   if (bias.has_value() && bias->numel() > 0) {
     at::Tensor b32 = bias->to(at::kFloat).contiguous();
@@ -308,7 +523,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& qweight, const at:
   for (int64_t n = 0; n < padded; ++n) sw[n] = mp[(n / kGroup) * (1 + nb) * kGroup + n % kGroup];
   at::Tensor y = at::empty({M, out_features}, x.options());
   Out* yp = reinterpret_cast<Out*>(y.data_ptr());
-  gemm<false>(xq.data(), xs.data(), M, kp, qweight, meta, [&](int64_t m0, int rows, int64_t n0, int width,
+  gemm<false>(xq, xs, M, kp, qweight, meta, [&](int64_t m0, int rows, int64_t n0, int width,
                                                              const void* out) {
     const float* acc = static_cast<const float*>(out);
     const int n = static_cast<int>(std::min<int64_t>(width, out_features - n0));
@@ -366,14 +581,14 @@ at::Tensor w8a8_int_gemm(const at::Tensor& xq, const at::Tensor& qweight, const 
   check_weight(qweight, meta, K);
   // the kernel's own activation layout: K padded, shifted to u8 on the VNNI path
   const int shift = kernel().shift ? 128 : 0;
-  std::vector<uint8_t> x(M * kp, static_cast<uint8_t>(shift));
+  uint8_t* x = scratch<uint8_t>(0, padded_rows(M) * kp, 0, static_cast<uint8_t>(shift));
   const int8_t* src = xq.data_ptr<int8_t>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) x[m * kp + k] = static_cast<uint8_t>(src[m * xq.stride(0) + k] + shift);
-  std::vector<float> unused(M * nb, 1.0f);
+  float* unused = scratch<float>(1, padded_rows(M) * nb, 0, 1.0f);
   at::Tensor out = at::empty({M, nb, padded}, xq.options().dtype(at::kInt));
   int32_t* op = out.data_ptr<int32_t>();
-  gemm<true>(x.data(), unused.data(), M, kp, qweight, meta, [&](int64_t m0, int rows, int64_t n0, int width,
+  gemm<true>(x, unused, M, kp, qweight, meta, [&](int64_t m0, int rows, int64_t n0, int width,
                                                                const void* buf) {
     const int32_t* sums = static_cast<const int32_t*>(buf);
     for (int r = 0; r < rows; ++r)
@@ -383,6 +598,18 @@ at::Tensor w8a8_int_gemm(const at::Tensor& xq, const at::Tensor& qweight, const 
   return out;
 }
 
-std::string w8a8_linear_path() { return use_vnni() ? "avx512_vnni" : "avx2"; }
+std::string w8a8_linear_path() { return kernel().name; }
+
+std::string w8a8_select_path(const std::string& path) {
+  const std::string previous = w8a8_linear_path();
+  int p = -1;
+  for (int i = 0; i < kPaths; ++i)
+    if (path == kernel_of(i).name && *kernel_of(i).name) p = i;
+  TORCH_CHECK(path == "auto" || p >= 0, "w8a8_select_path: unknown path '", path,
+              "' (auto, avx2, avx512_vnni, amx_int8)");
+  TORCH_CHECK(p < 0 || runs(p), "w8a8_select_path: this CPU and build do not run ", path);
+  selected.store(p, std::memory_order_relaxed);
+  return previous;
+}
 
 }  // namespace TM_NAMESPACE
