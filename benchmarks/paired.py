@@ -132,8 +132,10 @@ def main() -> int:
         json.dump(result, f, indent=1)
     for n in names:
         itl = result["itl_ms"][n]
+        itl_text = (f"ITL p50 {itl['p50']:.1f} ms, p99 {itl['p99']:.1f} ms" if itl["p50"] is not None
+                    else "no ITL (one output token)")
         print(f"{n:12s} {rate[n]:.1f} output tok/s over {args.pairs} turns of {args.turn_prompts} prompt(s) "
-              f"at c={args.concurrency}; ITL p50 {itl['p50']:.1f} ms, p99 {itl['p99']:.1f} ms")
+              f"at c={args.concurrency}; {itl_text}")
     print(f"{b} / {a}: {rate[b] / rate[a]:.3f} (90% interval {low:.3f}-{high:.3f}); median of pairs "
           f"{statistics.median(pair_ratios):.3f}")
     return 0
