@@ -214,3 +214,41 @@ def test_small_m_linear(ops, dtype, rows, out_features, in_features, bias):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert got.shape == (rows, out_features)
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def small_m_paths(ops) -> list[str]:
+    """The paths for more rows than a decode batch this CPU runs: the 8-row blocks always, AMX-BF16 where it has it."""
+    paths = ["vector"]
+    try:
+        previous = ops.small_m_select_path("amx_bf16")
+        ops.small_m_select_path("auto")
+        paths.append("amx_bf16")
+        assert previous == ops.small_m_large_path(torch.bfloat16)
+    except RuntimeError as e:
+        assert "do not run amx_bf16" in str(e)
+    return paths
+
+
+@pytest.mark.parametrize("rows", [9, 16, 17, 32, 33, 100, 257, 512])
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (48, 64, True), (1000, 1536, True),
+                                                           (37, 96, False), (40, 70, True)])
+def test_small_m_layout_serves_prefill_chunks(ops, rows, out_features, in_features, bias):
+    """A prefill chunk from the small-M layout (its only copy on AMX-BF16 CPUs: models/linear.py one_layout), on
+    every path this CPU runs: row counts past the 32-row register block and the 256-row work item, with tails of
+    16 rows, N not a multiple of 32, and K not a multiple of 32 (which the AMX path leaves to the 8-row blocks)."""
+    if not ops.small_m_supported(torch.bfloat16):
+        pytest.skip("no bf16 small-M kernel in this build on this CPU")
+    g = torch.Generator().manual_seed(rows + in_features)
+    weight = (torch.randn(out_features, in_features, generator=g) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    packed = ops.pack_small_m(weight)
+    want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    for path in small_m_paths(ops):
+        ops.small_m_select_path(path)
+        try:
+            got = ops.small_m_linear(x, packed, b, out_features)
+        finally:
+            ops.small_m_select_path("auto")
+        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m: f"{path}: {m}")

@@ -95,6 +95,9 @@ def transfer(server) -> dict[str, float]:
             "usage": metric_value(m, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"),
             **{f"failed:{dict(labels)['reason']}": v for (name, labels), v in
                m.get("tokenmill:kv_transfer_fetch_failures", {"samples": {}})["samples"].items()
+               if name.endswith("_total")},
+            **{f"phase:{dict(labels)['phase']}": v for (name, labels), v in
+               m.get("tokenmill:kv_transfer_fetch_phase_seconds", {"samples": {}})["samples"].items()
                if name.endswith("_total")}}
 
 
@@ -117,6 +120,10 @@ def test_greedy_outputs_through_pd_are_the_single_instances(pd, prompts):
     after = transfer(decode)
     assert after["fetched"] - before["fetched"] == fetched
     assert after["external"] - before["external"] == fetched * 16
+    # where the fetches' time went: each phase counted, and every fetch had a network round trip and a write
+    assert {"phase:queued", "phase:network", "phase:checks", "phase:write"} <= set(after)
+    for phase in ("network", "write"):
+        assert after[f"phase:{phase}"] > before.get(f"phase:{phase}", 0), phase
     # the decode instance said it was done: the prefill instance holds nothing
     wait_until(lambda: transfer(prefill)["pinned"] == 0 and transfer(prefill)["usage"] == 0, 10,
                message="the prefill instance to free the fetched blocks")

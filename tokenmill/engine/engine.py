@@ -492,7 +492,7 @@ class EngineCore:
             stats.kv_transfer = KVTransferStats(
                 sender.num_pinned_blocks if sender else 0, sender.num_pinned_requests if sender else 0,
                 c.pins_expired, c.blocks_sent, c.bytes_sent, c.blocks_fetched, c.blocks_skipped, c.bytes_received,
-                dict(c.fetch_failures), seconds, tokens)
+                dict(c.fetch_failures), seconds, tokens, dict(c.phase_seconds))
         if spec is not None:
             stats.spec_num_drafts, stats.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens

@@ -325,6 +325,8 @@ class KVOffloader:
         """Fetches the job's blocks from its prefill instance (releasing them there) and writes those that pass
         their checks, up to the first that does not."""
         counters, params = self.fetcher.counters, job.remote
+        phases, t0 = counters.phase_seconds, time.monotonic()
+        phases["queued"] += t0 - job.started
         try:
             entries = self.fetcher.fetch(params, list(range(job.first, job.first + len(job.blocks))),
                                          [block_hash for block_hash, _ in job.blocks])
@@ -334,6 +336,8 @@ class KVOffloader:
                            "its blocks are recomputed" if job.blocks else "its blocks stay pinned there until "
                            "they time out")
             return
+        t1 = time.monotonic()
+        phases["network"] += t1 - t0
         if not job.blocks:
             return
         layout_key = self.layout.key()
@@ -349,7 +353,10 @@ class KVOffloader:
             counters.bytes_received += len(entry)
         if len(entries) < len(job.blocks) and len(good) == len(entries):
             counters.failed("missing")  # the prefill instance holds another prompt from there on
+        t2 = time.monotonic()
         self.layout.write([block_id for block_id, _ in good], [payload for _, payload in good])
+        phases["checks"] += t2 - t1
+        phases["write"] += time.monotonic() - t2
         counters.blocks_fetched += len(good)
         job.num_ok = len(good)
         counters.fetch_seconds.append(time.monotonic() - job.started)

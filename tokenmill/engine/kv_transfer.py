@@ -95,6 +95,10 @@ class TransferCounters:
 
     def __post_init__(self):
         self.fetch_failures: dict[str, int] = {}
+        # the decode side's fetch time by phase, cumulative: queued (waiting for the worker), network (the
+        # request, the prefill side's read and the reply), checks (each block's header and CRC-32), write (into
+        # the pool)
+        self.phase_seconds: dict[str, float] = {"queued": 0.0, "network": 0.0, "checks": 0.0, "write": 0.0}
         self.fetch_seconds: list[float] = []
         self.tokens_fetched: list[int] = []
 

@@ -140,6 +140,7 @@ class KVTransferStats(msgspec.Struct, array_like=True):
     fetch_failures: dict[str, int] = msgspec.field(default_factory=dict)  # reason → fetches
     fetch_seconds: list[float] = msgspec.field(default_factory=list)
     tokens_fetched: list[int] = msgspec.field(default_factory=list)  # per fetch, with fetch_seconds
+    fetch_phase_seconds: dict[str, float] = msgspec.field(default_factory=dict)  # TransferCounters.phase_seconds
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.config import EngineConfig, parse_memory
 from tokenmill.engine.cuda_graph import DecodeCUDAGraphs, DecodeInputBuffers, capture_sizes
-from tokenmill.engine.host_memory import discard_pages, keep_freed_memory_in_process
+from tokenmill.engine.host_memory import discard_pages, keep_freed_memory_in_process, release_freed_memory
 from tokenmill.engine.kv_blocks import BlockLayout, model_fingerprint
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler, logprob_entries
@@ -24,6 +24,7 @@ from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, TritonBackend, get_attention_backend
 from tokenmill.models.kv_quant import is_one_byte, kv_storage_dtype, needs_calibration
+from tokenmill.models.linear import has_second_copies
 from tokenmill.models.loader import ModelInfo, load_model, resolve_dtype
 
 logger = logging.getLogger("tokenmill.runner")
@@ -101,6 +102,7 @@ class ModelRunner:
                                              self.model.head_dim)
         kernels = self.kernels = self.backend.ops if isinstance(self.backend, CPUKernelBackend) else None
         self.model.use_cpu_kernels(kernels)
+        release_freed_memory()  # the load's transient copies (a oneDNN layout dropped for the single one, above)
         self.vocab_size = info.hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, config.seed, kernels)
         self.structured = None  # the engine's StructuredOutputManager
@@ -174,7 +176,8 @@ class ModelRunner:
             forget_readers()  # the checkpoint's mapping goes too: its pages count in the process's RSS
             self.weights_state = "discarded"
         elif self.weights_state == "awake":
-            self.model.use_cpu_kernels(None)  # drops the small-M copies and the fused stack's weight list
+            if has_second_copies(self.model):  # where the small-M layout is the only copy, it stays
+                self.model.use_cpu_kernels(None)  # drops the small-M copies and the fused stack's weight list
             self.weights_state = "offloaded"
         gc.collect()
         if self.device.type == "cuda":

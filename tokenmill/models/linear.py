@@ -1,5 +1,6 @@
 """Linear layers whose CPU weights are laid out once for oneDNN (and, for decode-sized batches, once more for
-tokenmill's small-M kernel).
+tokenmill's small-M kernel; where that kernel also serves prefill chunks, AMX-BF16 CPUs in bf16, its layout is
+the only copy: `one_layout`).
 
 On the CPU, F.linear calls MKL's sgemm, which runs far below the machine for the few-row matmuls of decoding,
 and worse still on non-Intel CPUs. On the 2-core AVX2 EPYC we develop on, an 8x576 @ 576x3456 float32 linear
@@ -49,6 +50,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
 SMALL_M_MAX_ROWS = 8
 
 
+def one_layout(ops, small: torch.Tensor | None, in_features: int) -> bool:
+    """Whether the small-M layout can be a weight's only copy: the kernel serves prefill chunks from it as fast as
+    oneDNN (its AMX-BF16 path, which takes K in steps of 32; benchmarks/results/one-copy.md). Elsewhere the oneDNN
+    layout stays for prefill chunks."""
+    return (small is not None and small.dtype == torch.bfloat16 and in_features % 32 == 0
+            and ops.small_m_large_path(torch.bfloat16) == "amx_bf16")
+
+
+def unpack_small_m(small: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The dense [out, in] weight back from pack_small_m's layout."""
+    if small.dtype == torch.bfloat16:  # [N/16, K/2, 16, 2]
+        dense = small.permute(0, 2, 1, 3).reshape(-1, in_features)
+    else:  # [N/VL, K, VL]
+        dense = small.permute(0, 2, 1).reshape(-1, in_features)
+    return dense[:out_features].contiguous()
+
+
 def pack_small_m(ops, weight: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor | None:
     """The small-M kernel's layout of a weight (from the dense or the oneDNN form), or None where it cannot serve."""
     dense = weight if weight is not None else (packed.to_dense() if packed is not None else None)
@@ -89,8 +107,26 @@ class Linear(nn.Linear):
             self.weight = None
 
     def use_cpu_kernels(self, ops) -> None:
+        """Lays the weight out for the small-M kernel (ops), dropping the oneDNN copy where that layout serves every
+        row count (one_layout); None: back to one layout that torch serves, the small-M copy dropped."""
+        if ops is None:
+            if self.small_m is not None and self.packed is None and self.weight is None:  # the only copy
+                dense = unpack_small_m(self.small_m, self.out_features, self.in_features)
+                self.packed = pack_weight(dense)
+                if self.packed is None:
+                    self.weight = nn.Parameter(dense, requires_grad=False)
+            self.ops, self.small_m = None, None
+            return
         self.ops = ops
-        self.small_m = None if self.quant is not None else pack_small_m(ops, self.weight, self.packed)
+        if self.small_m is None:
+            self.small_m = None if self.quant is not None else pack_small_m(ops, self.weight, self.packed)
+        if self.packed is not None and one_layout(ops, self.small_m, self.in_features):
+            self.packed = None
+
+    @property
+    def single_copy(self) -> bool:
+        """The small-M layout is this weight's only copy."""
+        return self.small_m is not None and self.packed is None and self.weight is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_forward(x)
@@ -99,6 +135,12 @@ class Linear(nn.Linear):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return quant_linear(self.quant_ops, x, self.quant, self.bias)
-        if self.small_m is not None and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX_ROWS:
+        if self.small_m is not None and x.dim() == 2 and (x.shape[0] <= SMALL_M_MAX_ROWS or self.single_copy):
             return self.ops.small_m_linear(x, self.small_m, self.bias, self.out_features)
         return linear(x, self.weight, self.bias, self.packed)
+
+
+def has_second_copies(model: nn.Module) -> bool:
+    """Whether some linear weight of the model is held twice (oneDNN's and the small-M layout): what sleep level 1
+    can free without losing the weights."""
+    return any(isinstance(m, Linear) and m.small_m is not None and not m.single_copy for m in model.modules())

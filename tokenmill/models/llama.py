@@ -13,7 +13,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tokenmill.models.attention import AttentionMetadata
-from tokenmill.models.linear import SMALL_M_MAX_ROWS, Linear, linear, pack_small_m, pack_weight
+from tokenmill.models.linear import SMALL_M_MAX_ROWS, Linear, linear, one_layout, pack_small_m, pack_weight
 from tokenmill.models.quantization import QuantizedEmbedding, QuantizedTensor, QuantizedWeight, quant_linear
 
 
@@ -235,11 +235,19 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, Linear):
                 module.use_cpu_kernels(ops)
         self.kernel_ops, self.tied_lm_head_small_m = ops, None
-        if self.lm_head is None and not isinstance(self.embed_tokens, QuantizedEmbedding):
+        tied = self.lm_head is None and not isinstance(self.embed_tokens, QuantizedEmbedding)
+        if tied:
             self.tied_lm_head_small_m = pack_small_m(ops, self.embed_tokens.weight, None)
+            # the embedding keeps its dense weight for lookups; the oneDNN copy goes where the small-M one serves
+            single = ops is not None and one_layout(ops, self.tied_lm_head_small_m, self.config.hidden_size)
+            if single:
+                self.tied_lm_head_packed = None
+            elif self.tied_lm_head_packed is None:
+                self.tied_lm_head_packed = pack_weight(self.embed_tokens.weight)
         self.fused_ops, self.fused_weights = None, None
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if ops is None or not linears or any(m.packed is None and m.quant is None for m in linears):
+        if ops is None or not linears or any(m.packed is None and m.quant is None and not m.single_copy
+                                             for m in linears):
             return
         if any(layer.self_attn.sliding_window for layer in self.layers):
             return  # llama_forward attends over every key: windowed layers run one by one (as Gemma 3's)
@@ -250,9 +258,10 @@ class LlamaForCausalLM(nn.Module):
             (qkv, qkv_small), (o, o_small) = attn.qkv_proj.fused_weights(), attn.o_proj.fused_weights()
             (gate_up, gate_up_small), (down, down_small) = (layer.mlp.gate_up_proj.fused_weights(),
                                                             layer.mlp.down_proj.fused_weights())
-            weights += [layer.input_layernorm.weight, qkv, _or(attn.qkv_proj.bias, none),
+            weights += [layer.input_layernorm.weight, _or(qkv, none), _or(attn.qkv_proj.bias, none),
                         _or(attn.q_norm and attn.q_norm.weight, none), _or(attn.k_norm and attn.k_norm.weight, none),
-                        o, _or(attn.o_proj.bias, none), layer.post_attention_layernorm.weight, gate_up, down]
+                        _or(o, none), _or(attn.o_proj.bias, none), layer.post_attention_layernorm.weight,
+                        _or(gate_up, none), _or(down, none)]
             weights += [_or(m, none) for m in (qkv_small, o_small, gate_up_small, down_small)]
         self.fused_ops, self.fused_weights = ops, [w.detach() for w in weights]
 
@@ -280,7 +289,8 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         if isinstance(self.embed_tokens, QuantizedEmbedding):
             return quant_linear(self.embed_tokens.quant_ops, hidden, self.embed_tokens.quant, None).float()
-        if self.tied_lm_head_small_m is not None and hidden.shape[0] <= SMALL_M_MAX_ROWS:
+        if self.tied_lm_head_small_m is not None and (hidden.shape[0] <= SMALL_M_MAX_ROWS
+                                                       or self.tied_lm_head_packed is None):
             return self.kernel_ops.small_m_linear(hidden, self.tied_lm_head_small_m, None,
                                                   self.config.vocab_size).float()
         return linear(hidden, self.embed_tokens.weight, packed=self.tied_lm_head_packed).float()

@@ -33,7 +33,11 @@ class KVTransferMetrics:
         self.fetch_seconds = Histogram("tokenmill:kv_transfer_fetch_seconds", "Time to fetch one request's KV blocks "
                                        "from its prefill instance and write them into the pool.", labels,
                                        buckets=FETCH_SECONDS_BUCKETS, registry=r)
-        self._last: dict[str, int] = {}
+        self.phase_seconds = Counter("tokenmill:kv_transfer_fetch_phase_seconds", "The decode side's fetch time by "
+                                     "phase: queued (waiting for the transfer worker), network (the request, the "
+                                     "prefill instance's read and the reply), checks (headers and CRC-32s), write "
+                                     "(into the pool).", labels + ["phase"], registry=r)
+        self._last: dict[str, float] = {}
 
     def record(self, stats: SchedulerStats) -> None:
         t, m = stats.kv_transfer, self.model_name
@@ -50,12 +54,14 @@ class KVTransferMetrics:
             self._inc(name, child, value)
         for reason, value in t.fetch_failures.items():
             self._inc(f"failed:{reason}", self.failures.labels(m, reason), value)
+        for phase, value in t.fetch_phase_seconds.items():
+            self._inc(f"phase:{phase}", self.phase_seconds.labels(m, phase), value)
         for seconds in t.fetch_seconds:
             self.fetch_seconds.labels(m).observe(seconds)
         if t.tokens_fetched:
             self.tokens.labels(m).inc(sum(t.tokens_fetched))
 
-    def _inc(self, name: str, child, value: int) -> None:
+    def _inc(self, name: str, child, value: float) -> None:
         old = self._last.get(name, 0)
         if value > old:
             child.inc(value - old)

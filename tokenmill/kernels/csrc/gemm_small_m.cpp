@@ -3,12 +3,24 @@
 // W is packed as [N / VL][K][VL] (float32) or, for bf16 with AVX512-BF16, [N / 16][K / 2][16 x (2 bf16)], so
 // one vector load feeds VL (or 16) outputs and every row of x reuses it from a register; no horizontal sums.
 // pack_small_m packs; small_m_linear multiplies. Rows are processed 8 at a time (8 accumulators in registers).
+//
+// Prefill chunks (more than kSmallMRows rows) on CPUs with AMX-BF16 read the same packed weight: a group's 16 rows
+// of [16 outputs x 2 bf16] for 32 consecutive K are exactly a tdpbf16ps B tile (16 rows x 64 bytes), so the
+// weight needs no second layout (issue 41's "one copy of the weights": the model keeps only this one where the
+// CPU runs this path; tokenmill/models/linear.py). A register block is 32 rows x 32 outputs (two activation
+// tiles, two weight tiles, four float32 sum tiles accumulating all of K, as oneDNN's AMX GEMM does); rows past
+// M are read from a zeroed copy of the last rows. Elsewhere more rows go through the 8-row blocks, as before.
+// small_m_select_path() picks the path for the tests and benchmarks.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <atomic>
+#include <string>
+#include <vector>
 
+#include "amx.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -59,6 +71,102 @@ void small_m_f32_block(const float* x, int64_t x_stride, int rows, const float* 
   for (int m = 0; m < rows; ++m) vstore(y + m * y_stride, vadd(acc[m], b));
 }
 
+#if defined(__AVX512F__)
+constexpr int kAmxRows = 32;    // rows per AMX register block: two activation tiles
+constexpr int kAmxGroups = 2;   // 16-output groups per block: two weight tiles
+constexpr int kAmxSpan = 8;     // groups per work item (rows outer): a row's outputs are written 256 bytes at a time
+constexpr int64_t kAmxChunk = 256;  // rows per work item
+
+// Sum tiles 4 + 2a + g (a: activation tile, g: weight tile), all K, then bias and bf16 into y.
+template <int A, int G>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))) void amx_bf16_block(
+    const uint16_t* x, int64_t x_bytes, const uint16_t* w, int64_t group_elems, int64_t K, const float* bias,
+    uint16_t* y, int64_t y_stride, int rows) {
+  _tile_zero(4);
+  if constexpr (G > 1) _tile_zero(5);
+  if constexpr (A > 1) _tile_zero(6);
+  if constexpr (A > 1 && G > 1) _tile_zero(7);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(0, x + k, x_bytes);
+    if constexpr (A > 1) _tile_loadd(1, reinterpret_cast<const char*>(x + k) + 16 * x_bytes, x_bytes);
+    _tile_loadd(2, w + k * 16, 64);
+    if constexpr (G > 1) _tile_loadd(3, w + group_elems + k * 16, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if constexpr (G > 1) _tile_dpbf16ps(5, 0, 3);
+    if constexpr (A > 1) _tile_dpbf16ps(6, 1, 2);
+    if constexpr (A > 1 && G > 1) _tile_dpbf16ps(7, 1, 3);
+  }
+  alignas(64) float c[A][G][16][16];
+  _tile_stored(4, c[0][0], 64);
+  if constexpr (G > 1) _tile_stored(5, c[0][G - 1], 64);
+  if constexpr (A > 1) _tile_stored(6, c[A - 1][0], 64);
+  if constexpr (A > 1 && G > 1) _tile_stored(7, c[A - 1][G - 1], 64);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) {
+      __m512 v = _mm512_load_ps(c[r / 16][g][r % 16]);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + g * 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + g * 16), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+using AmxBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, uint16_t*,
+                            int64_t, int);
+
+// y [M, Np] = x [M, K] W^T (+ bias), W packed [Np/16][K/2][16][2] bf16, K a multiple of 32.
+void amx_bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0), Np = groups * 16;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t x_stride = x.stride(0), group_elems = K * 16;
+  static constexpr AmxBlockFn fns[2][2] = {{&amx_bf16_block<1, 1>, &amx_bf16_block<1, 2>},
+                                           {&amx_bf16_block<2, 1>, &amx_bf16_block<2, 2>}};
+  const int64_t spans = (groups + kAmxSpan - 1) / kAmxSpan, chunks = (M + kAmxChunk - 1) / kAmxChunk;
+  at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> tail;  // the last rows, zero-padded to a whole block: a tile reads 16 rows
+    amx_configure();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t chunk = i / spans, g_first = (i % spans) * kAmxSpan;
+      const int64_t g_last = std::min(groups, g_first + kAmxSpan), m_end = std::min(M, (chunk + 1) * kAmxChunk);
+      for (int64_t m0 = chunk * kAmxChunk; m0 < m_end; m0 += kAmxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, m_end - m0));
+        const uint16_t* xb = xp + m0 * x_stride;
+        int64_t xb_bytes = x_stride * 2;
+        if (rows % 16 && m0 + rows == M) {
+          tail.assign(static_cast<size_t>(kAmxRows) * K, 0);
+          for (int r = 0; r < rows; ++r) std::copy(xb + r * x_stride, xb + r * x_stride + K, tail.data() + r * K);
+          xb = tail.data();
+          xb_bytes = K * 2;
+        }
+        const int a = rows > 16 ? 2 : 1;
+        for (int64_t g0 = g_first; g0 < g_last; g0 += kAmxGroups) {
+          const int g = static_cast<int>(std::min<int64_t>(kAmxGroups, g_last - g0));
+          fns[a - 1][g - 1](xb, xb_bytes, wp + g0 * group_elems, group_elems, K, bias ? bias + g0 * 16 : nullptr,
+                            yp + m0 * Np + g0 * 16, Np, rows);
+        }
+      }
+    }
+    amx_release();
+  });
+}
+#endif
+
+enum Path { kVector, kAmxBf16 };
+std::atomic<int> selected{-1};  // small_m_select_path's choice; -1: the best this CPU runs
+
+bool runs(int path) {
+#if defined(__AVX512F__)
+  if (path == kAmxBf16) return cpu_has_avx512_bf16() && amx_available(AmxUnit::kBf16);
+#endif
+  return path == kVector;
+}
+
+int path_for_rows(int64_t rows, const at::Tensor& x) {
+  if (rows <= kSmallMRows || x.scalar_type() != at::kBFloat16 || x.size(1) % 32) return kVector;
+  const int p = selected.load(std::memory_order_relaxed);
+  return p >= 0 ? p : (runs(kAmxBf16) ? kAmxBf16 : kVector);
+}
+
 // The lanes of one packed block: VL floats, or 16 bf16 outputs on the AVX512-BF16 path.
 int64_t small_m_lanes(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : VL; }
 
@@ -102,6 +210,12 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const s
   }
   at::Tensor y = at::empty({rows, Np}, x.options());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#if defined(__AVX512F__)
+  if (path_for_rows(rows, x) == kAmxBf16) {
+    amx_bf16_gemm(x, packed, bp, y);
+    return Np == out_features ? y : y.narrow(1, 0, out_features);
+  }
+#endif
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
       for (int64_t m0 = 0; m0 < rows; m0 += kSmallMRows) {
@@ -122,6 +236,21 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const s
     }
   });
   return Np == out_features ? y : y.narrow(1, 0, out_features);
+}
+
+std::string small_m_large_path(at::ScalarType dtype) {
+  if (dtype != at::kBFloat16) return "vector";
+  const int p = selected.load(std::memory_order_relaxed);
+  return (p >= 0 ? p : (runs(kAmxBf16) ? kAmxBf16 : kVector)) == kAmxBf16 ? "amx_bf16" : "vector";
+}
+
+std::string small_m_select_path(const std::string& path) {
+  const std::string previous = small_m_large_path(at::kBFloat16);
+  const int p = path == "amx_bf16" ? kAmxBf16 : path == "vector" ? kVector : -1;
+  TORCH_CHECK(path == "auto" || p >= 0, "small_m_select_path: unknown path '", path, "' (auto, vector, amx_bf16)");
+  TORCH_CHECK(p < 0 || runs(p), "small_m_select_path: this CPU and build do not run ", path);
+  selected.store(p, std::memory_order_relaxed);
+  return previous;
 }
 
 }  // namespace TM_NAMESPACE

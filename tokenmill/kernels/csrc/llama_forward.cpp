@@ -53,7 +53,8 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& packed, const at:
     RECORD_FUNCTION("tokenmill::w8a8_linear", std::vector<c10::IValue>());
     return TM_NAMESPACE::w8a8_linear(x, packed, small_m, present(bias), out_features);
   }
-  if (small_m.numel() > 0 && x.size(0) <= small_m_max_rows) {
+  // no oneDNN layout: the small-M layout is the only copy and serves every row count (gemm_small_m.cpp, AMX-BF16)
+  if (small_m.numel() > 0 && (x.size(0) <= small_m_max_rows || packed.numel() == 0)) {
     RECORD_FUNCTION("tokenmill::small_m_linear", std::vector<c10::IValue>());
     return small_m_linear(x, small_m, present(bias), out_features);
   }

@@ -37,9 +37,12 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
 at::Tensor argmax(const at::Tensor& logits);
 
-// gemm_small_m.cpp: linear layers for a few rows, on weights packed for it.
+// gemm_small_m.cpp: linear layers for a few rows, on weights packed for it (and for prefill chunks from the same
+// packed weight where the CPU has AMX-BF16); which path serves more rows than a decode batch, and its override.
 bool small_m_supported(at::ScalarType dtype);
 at::Tensor pack_small_m(const at::Tensor& weight);
+std::string small_m_large_path(at::ScalarType dtype);
+std::string small_m_select_path(const std::string& path);
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                           int64_t out_features);
 

@@ -27,6 +27,9 @@ TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("small_m_supported(ScalarType dtype) -> bool",
         [](at::ScalarType dtype) { return TM_NAMESPACE::small_m_supported(dtype); });
   m.def("pack_small_m(Tensor weight) -> Tensor");
+  m.def("small_m_large_path(ScalarType dtype) -> str",
+        [](at::ScalarType dtype) { return TM_NAMESPACE::small_m_large_path(dtype); });
+  m.def("small_m_select_path(str path) -> str", [](std::string p) { return TM_NAMESPACE::small_m_select_path(p); });
   m.def("small_m_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("llama_forward(Tensor embeddings, Tensor[] layer_weights, Tensor final_norm, Tensor[] k_caches, "
         "Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "

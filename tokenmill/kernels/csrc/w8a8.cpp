@@ -35,10 +35,8 @@
 //   64 bytes apart), so the packed weight is read in place. One tdpbssd gives a 16 x 16 block of int32 sums; it
 //   goes through memory (tilestored) into 16 float accumulators, scaled by each token's block scale (the scale per
 //   64 K is what keeps this from accumulating all of K in the tile, as a bf16 AMX GEMM does). Four blocks per
-//   round in four sum tiles keep four tdpbssd in flight while the previous round is scaled. The kernel asks Linux
-//   for the tile data state once (arch_prctl ARCH_REQ_XCOMP_PERM) and configures the
-//   tiles at the start of each parallel work item (oneDNN, which the dense path calls on the same threads,
-//   configures its own), releasing them after.
+//   round in four sum tiles keep four tdpbssd in flight while the previous round is scaled. amx.h says how the
+//   tiles are set up.
 // w8a8_select_path() picks another path this CPU runs (the tests check each; benchmarks compare them).
 //
 // Layout: qweight [N/16][K/4][16][4] int8 (N padded to 16 outputs, K to a multiple of 64 with zero weights): one
@@ -51,10 +49,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
-
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -69,6 +63,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -100,17 +95,9 @@ bool use_vnni() {
 #endif
 }
 
-// AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25), and Linux's permission to use the tile data (XFEATURE 18;
-// without it the first tile instruction faults).
 bool use_amx() {
 #if defined(__AVX512F__)
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0 && use_vnni();
-  }();
-  return ok;
+  return use_vnni() && amx_available(AmxUnit::kInt8);
 #else
   return false;
 #endif
@@ -276,27 +263,6 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const uint8_t* x, int64
 
 
 #if defined(__AVX512F__)
-// The tile configuration (palette 1): tiles 0-1 activations (A: 16 rows x 64 bytes), 2-3 weights (B: 16 rows of
-// 16 outputs x 4 K), 4-5 sums (C: 16 rows x 16 int32); each pair alternates between even and odd blocks.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-__attribute__((target("amx-tile"))) void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  // ldtilecfg as asm with the config as its memory operand: gcc 12's _tile_loadconfig builtin does not count as a
-  // read of the struct, and the stores of colsb and rows were dropped as dead (every tile then faults)
-  asm volatile("ldtilecfg %0" : : "m"(cfg));
-}
-
-__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
-
 // 16 rows (the activations are padded to them) x one group, all K. Raw: out int32 [16][K/64][16]; else out
 // float32 [16][16] = sum_b sx[r][b] (block b's sums). Four blocks per round, each in its own sum tile (4-7),
 // so that four tdpbssd are in flight while the previous round's sums are scaled.
