@@ -133,6 +133,45 @@ inline float quantize_block_avx512(const In* src, int64_t n, int offset, uint8_t
   }
   return a / 127.0f;
 }
+#else
+// One row's 64-K block on AVX2: eight vectors, the block's amax, then round(x * 127 / amax) as the scalar loop of
+// the reference (vcvtps2dq rounds half to even, as nearbyint and torch.round do); K's tail goes through a zeroed
+// copy (its weights are zero).
+template <typename In>
+inline float quantize_block_avx2(const In* src, int64_t n, int offset, uint8_t* dst) {
+  alignas(32) float tail[kBlock];
+  const float* f = nullptr;
+  if (n < kBlock || !std::is_same_v<In, float>) {
+    for (int64_t k = 0; k < kBlock; ++k) {
+      if constexpr (std::is_same_v<In, float>) tail[k] = k < n ? src[k] : 0.0f;
+      else tail[k] = k < n ? bf16_to_float(src[k]) : 0.0f;
+    }
+    f = tail;
+  } else {
+    f = reinterpret_cast<const float*>(src);
+  }
+  __m256 v[8];
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int i = 0; i < 8; ++i) {
+    v[i] = _mm256_loadu_ps(f + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  const float a = _mm_cvtss_f32(m);
+  const __m256 inv = _mm256_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), off = _mm256_set1_epi32(offset);
+  for (int i = 0; i < 8; ++i) {
+    __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    q = _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(q, lo), hi), off);
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    const __m128i b8 = offset ? _mm_packus_epi16(w16, w16) : _mm_packs_epi16(w16, w16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + 8 * i), b8);
+  }
+  return a / 127.0f;
+}
 #endif
 
 template <typename In>
@@ -140,7 +179,6 @@ void quantize_rows(const In* x, int64_t stride, int64_t M, int64_t K, int64_t kp
                    float* scale) {
   const int64_t nb = kp / kBlock;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    [[maybe_unused]] float f[kBlock];
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t k0 = b * kBlock, n = std::min<int64_t>(kBlock, K - k0);
@@ -150,21 +188,7 @@ void quantize_rows(const In* x, int64_t stride, int64_t M, int64_t K, int64_t kp
 #if defined(__AVX512F__)
         scale[r * nb + b] = quantize_block_avx512(src, n, offset, dst);
 #else
-        float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-        for (int64_t k = 0; k < n; ++k) {
-          if constexpr (std::is_same_v<In, float>) f[k] = src[k];
-          else f[k] = bf16_to_float(src[k]);
-          amax = std::max(amax, std::fabs(f[k]));
-        }
-        for (int64_t k = n; k < kBlock; ++k) f[k] = 0.0f;  // K's tail: against zero weights
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-#pragma omp simd
-        for (int k = 0; k < kBlock; ++k) {
-          const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(f[k] * inv)));
-          dst[k] = static_cast<uint8_t>(static_cast<int>(v) + offset);
-        }
-        scale[r * nb + b] = amax / 127.0f;
+        scale[r * nb + b] = quantize_block_avx2(src, n, offset, dst);
 #endif
       }
     }
