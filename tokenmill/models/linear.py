@@ -118,8 +118,8 @@ class Linear(nn.Linear):
             self.ops, self.small_m = None, None
             return
         self.ops = ops
-        if self.small_m is None:
-            self.small_m = None if self.quant is not None else pack_small_m(ops, self.weight, self.packed)
+        if self.small_m is None and self.quant is None:
+            self.small_m = pack_small_m(ops, self.weight, self.packed)
         if self.packed is not None and one_layout(ops, self.small_m, self.in_features):
             self.packed = None
 

@@ -3,7 +3,8 @@
 //
 // - amx_available(): the CPU has AMX-TILE and the data type's unit (CPUID.(7,0):EDX bit 24, and 25 for INT8 or 22
 //   for BF16), and Linux gave this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE 18;
-//   without it the first tile instruction faults). Asked once per process.
+//   without it the first tile instruction faults). Asked once per process and unit: the kernels ask on every call,
+//   and cpuid is a VM exit on a cloud VM.
 // - amx_configure(): every tile 16 rows x 64 bytes (palette 1), on the calling thread. The tile configuration is
 //   per thread and oneDNN (the dense path, on the same threads) loads its own, so a kernel configures the tiles at
 //   the start of each parallel work item and releases them (amx_release) after.
@@ -30,10 +31,14 @@ inline bool amx_permitted() {
   return ok;
 }
 
-inline bool amx_available(AmxUnit unit) {
+inline bool amx_has_unit(AmxUnit unit) {
   unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << static_cast<int>(unit)))) return false;
-  return amx_permitted();
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << static_cast<int>(unit))) && amx_permitted();
+}
+
+inline bool amx_available(AmxUnit unit) {
+  static const bool int8 = amx_has_unit(AmxUnit::kInt8), bf16 = amx_has_unit(AmxUnit::kBf16);
+  return unit == AmxUnit::kInt8 ? int8 : bf16;
 }
 
 struct alignas(64) TileConfig {

@@ -161,10 +161,15 @@ bool runs(int path) {
   return path == kVector;
 }
 
-int path_for_rows(int64_t rows, const at::Tensor& x) {
-  if (rows <= kSmallMRows || x.scalar_type() != at::kBFloat16 || x.size(1) % 32) return kVector;
+// The path for bf16 batches of more than kSmallMRows rows: the selected one, else the best this CPU runs.
+int large_path() {
   const int p = selected.load(std::memory_order_relaxed);
   return p >= 0 ? p : (runs(kAmxBf16) ? kAmxBf16 : kVector);
+}
+
+int path_for_rows(int64_t rows, const at::Tensor& x) {
+  if (rows <= kSmallMRows || x.scalar_type() != at::kBFloat16 || x.size(1) % 32) return kVector;
+  return large_path();
 }
 
 // The lanes of one packed block: VL floats, or 16 bf16 outputs on the AVX512-BF16 path.
@@ -239,9 +244,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const s
 }
 
 std::string small_m_large_path(at::ScalarType dtype) {
-  if (dtype != at::kBFloat16) return "vector";
-  const int p = selected.load(std::memory_order_relaxed);
-  return (p >= 0 ? p : (runs(kAmxBf16) ? kAmxBf16 : kVector)) == kAmxBf16 ? "amx_bf16" : "vector";
+  return dtype == at::kBFloat16 && large_path() == kAmxBf16 ? "amx_bf16" : "vector";
 }
 
 std::string small_m_select_path(const std::string& path) {
