@@ -10,17 +10,8 @@
 #   benchmarks/goodput.sh [DTYPE] [OUT_DIR]     (vLLM from ../shared/peers; NO_VLLM=1 leaves it out;
 #                                                 PROMPTS: requests per level, default 64; RATES)
 set -euo pipefail
-DTYPE=${1:-bfloat16}
-PREC=$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)
-OUT=${2:-benchmarks/runs/goodput-$PREC}
-PEERS=${PEERS:-../shared/peers}
-PY=${PY:-.venv/bin}
-mkdir -p "$OUT"
-lscpu > "$OUT/lscpu.txt"
-git rev-parse HEAD > "$OUT/commit.txt"
-PIDS=()
-trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
-COMMON=(--dtype "$DTYPE" --max-model-len 2048 --disable-log-stats)
+NAME=goodput
+source "$(dirname "$0")/side_by_side.sh" "$@"
 $PY/tokenmill serve "${COMMON[@]}" --port 8000 --quantization none > "$OUT/dense-server.log" 2>&1 & PIDS+=($!)
 $PY/tokenmill serve "${COMMON[@]}" --port 8003 --quantization none --max-step-latency-ms 0 \
   > "$OUT/dense-fixed-server.log" 2>&1 & PIDS+=($!)

@@ -6,17 +6,8 @@
 # results. Run it on a quiet machine.
 #   benchmarks/stall_free.sh [DTYPE] [OUT_DIR]     (vLLM from ../shared/peers; NO_VLLM=1 leaves it out)
 set -euo pipefail
-DTYPE=${1:-bfloat16}
-PREC=$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)
-OUT=${2:-benchmarks/runs/stall-free-$PREC}
-PEERS=${PEERS:-../shared/peers}
-PY=${PY:-.venv/bin}
-mkdir -p "$OUT"
-lscpu > "$OUT/lscpu.txt"
-git rev-parse HEAD > "$OUT/commit.txt"
-PIDS=()
-trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
-COMMON=(--dtype "$DTYPE" --max-model-len 2048 --disable-log-stats)
+NAME=stall-free
+source "$(dirname "$0")/side_by_side.sh" "$@"
 $PY/tokenmill serve "${COMMON[@]}" --port 8000 > "$OUT/bounded-server.log" 2>&1 & PIDS+=($!)
 $PY/tokenmill serve "${COMMON[@]}" --port 8001 --max-step-latency-ms 0 > "$OUT/fixed-server.log" 2>&1 & PIDS+=($!)
 TARGETS=(bounded=http://127.0.0.1:8000 fixed-512=http://127.0.0.1:8001)
