@@ -117,6 +117,44 @@ def test_paged_attention_sliding_window(ops, dtype, window):
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("path", ["vector", "amx_bf16"])
+@pytest.mark.parametrize("head_dim,kv_heads,group,window", [(64, 3, 3, 0), (64, 1, 4, 100), (128, 2, 1, 0),
+                                                            (64, 1, 8, 5), (128, 1, 4, 0)])
+def test_paged_attention_prefill_paths(ops, path, head_dim, kv_heads, group, window):
+    """bf16 prefill tiles on each path: the float32 FMAs, and AMX-BF16 tile products (where the CPU runs them;
+    attention_select_path forces one). Prompts, chunks over cached context that start and end mid-block, decode
+    rows beside them, with and without a window; the pool's slots past each context hold NaN, which no path may
+    let through (AMX multiplies whole tiles)."""
+    try:
+        previous = ops.attention_select_path(path)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    try:
+        g = torch.Generator().manual_seed(head_dim * group + window)
+        block_size, dtype = 16, torch.bfloat16
+        seqs = [(300, 300), (1003, 37), (700, 64), (90, 1), (17, 17), (1500, 130), (5, 5)]
+        num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 4
+        tables = scattered_tables([c for c, _ in seqs], block_size, num_blocks, g)
+        qsl = [0, *itertools.accumulate(q_len for _, q_len in seqs)]
+        q = torch.randn(qsl[-1], kv_heads * group, head_dim, generator=g).to(dtype)
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+        v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+        for (ctx, _), table in zip(seqs, tables):
+            last = table[(ctx - 1) // block_size]
+            k_cache[last, (ctx - 1) % block_size + 1:] = float("nan")
+            v_cache[last, (ctx - 1) % block_size + 1:] = float("nan")
+        seq_lens = [c for c, _ in seqs]
+        out = torch.full_like(q, float("nan"))
+        ops.paged_attention(out, q, *to_kernel_layout(k_cache, v_cache), torch.tensor(tables, dtype=torch.int32),
+                            torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                            head_dim ** -0.5, window)
+        ref = reference_attention(q, k_cache.nan_to_num(), v_cache.nan_to_num(), tables, seq_lens, qsl,
+                                  head_dim ** -0.5, window or None)
+        torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    finally:
+        ops.attention_select_path("vector" if previous == "vector" else "auto")
+
+
 def reference_rope(x, cos, sin):
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin

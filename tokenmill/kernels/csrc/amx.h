@@ -1,5 +1,5 @@
-// Intel AMX (Sapphire Rapids and later), shared by the kernels that use it (w8a8.cpp: AMX-INT8; gemm_small_m.cpp:
-// AMX-BF16). Only the AVX-512 build has AMX paths.
+// Intel AMX (Sapphire Rapids and later), shared by the kernels that use it (w8a8.cpp: AMX-INT8; gemm_small_m.cpp
+// and attention.cpp: AMX-BF16). Only the AVX-512 build has AMX paths.
 //
 // - amx_available(): the CPU has AMX-TILE and the data type's unit (CPUID.(7,0):EDX bit 24, and 25 for INT8 or 22
 //   for BF16), and Linux gave this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE 18;
@@ -7,11 +7,12 @@
 //   and cpuid is a VM exit on a cloud VM.
 // - amx_configure(): every tile 16 rows x 64 bytes (palette 1), on the calling thread. The tile configuration is
 //   per thread and oneDNN (the dense path, on the same threads) loads its own, so a kernel configures the tiles at
-//   the start of each parallel work item and releases them (amx_release) after.
+//   the start of each parallel work item (or region) and releases them (amx_release) after.
 #pragma once
 
 #if defined(__AVX512F__)
 #include <cpuid.h>
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 

@@ -22,10 +22,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "kv_quant.h"
 #include "ops.h"
 #include "vec.h"
@@ -44,6 +48,11 @@ constexpr int kQueryTile = 16;     // query tokens per item (times the GQA group
 constexpr int kSplitTokens = 256;  // context per part when a decode is split
 constexpr int kRowBlock = 4;       // query rows whose scores are computed together (kept in registers)
 constexpr int kDimChunk = 32;      // head_dim must be a multiple of this (two AVX-512 vectors)
+// AMX-BF16 prefill tiles (attention_item_amx, AVX-512 build): the cache's block size they read, keys per softmax
+// step, and query tokens per item
+constexpr int kAmxAttnBlock = 16;
+constexpr int kAmxKeys = 64;
+constexpr int kAmxQueryTile = 32;
 
 struct AttnShape {
   int num_heads, num_kv_heads, head_dim;
@@ -129,6 +138,38 @@ inline void block_values(const float* p, const float* vf, float* acc, const floa
   }
 }
 
+// The online softmax over one block's scores p [rows][B] (keys start.. of the sequence; this item covers keys
+// [lo, n) of the block): each row's keys past its position or before its window are masked, p becomes the block's
+// unnormalized probabilities, and corr[r] rescales what row r accumulated before it (m: running max, l: sum).
+template <int B>
+inline void block_softmax(float* p, int R, int rows, int start, int lo, int n, const int* last, const int* first,
+                          float* m, float* l, float* corr) {
+  for (int r = 0; r < rows; ++r) {
+    float* pr = p + r * B;
+    const int hi = r < R ? std::min(n, last[r] - start + 1) : lo;  // keys [lo_r, hi) are visible to row r
+    const int lo_r = r < R ? std::max(lo, first[r] - start) : lo;
+    if (hi <= lo_r) {  // nothing visible (a later query's keys, keys before its window, or a padding row)
+      std::fill(pr, pr + B, 0.0f);
+      corr[r] = 1.0f;
+      continue;
+    }
+    for (int j = 0; j < lo_r; ++j) pr[j] = -1e30f;
+    for (int j = hi; j < B; ++j) pr[j] = -1e30f;
+    vfloat mx = vload(pr);
+    for (int jv = 1; jv < B / VL; ++jv) mx = vmax(mx, vload(pr + jv * VL));
+    const float bm = std::max(m[r], vreduce_max(mx));
+    vfloat sum = vzero();
+    for (int jv = 0; jv < B / VL; ++jv) {
+      const vfloat e = vexp_masked(vsub(vload(pr + jv * VL), vset1(bm)));
+      vstore(pr + jv * VL, e);
+      sum = vadd(sum, e);
+    }
+    corr[r] = exp_approx(m[r] - bm);
+    m[r] = bm;
+    l[r] = l[r] * corr[r] + vreduce_add(sum);
+  }
+}
+
 template <typename T, int B>
 void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename Elem<T>::raw* out,
                     const void* k_cache, const void* v_cache, const float* fresh, const int32_t* block_table,
@@ -195,30 +236,7 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
       }
     }
     block_scores<B>(qf, kb, p, R4, D);
-    for (int r = 0; r < R4; ++r) {
-      float* pr = p + r * B;
-      const int hi = r < R ? std::min(n, last[r] - start + 1) : lo;  // keys [lo_r, hi) are visible to row r
-      const int lo_r = r < R ? std::max(lo, first[r] - start) : lo;
-      if (hi <= lo_r) {  // nothing visible (a later query's keys, keys before its window, or a padding row)
-        std::fill(pr, pr + B, 0.0f);
-        corr[r] = 1.0f;
-        continue;
-      }
-      for (int j = 0; j < lo_r; ++j) pr[j] = -1e30f;
-      for (int j = hi; j < B; ++j) pr[j] = -1e30f;
-      vfloat mx = vload(pr);
-      for (int jv = 1; jv < B / VL; ++jv) mx = vmax(mx, vload(pr + jv * VL));
-      const float bm = std::max(m[r], vreduce_max(mx));
-      vfloat sum = vzero();
-      for (int jv = 0; jv < B / VL; ++jv) {
-        const vfloat e = vexp_masked(vsub(vload(pr + jv * VL), vset1(bm)));
-        vstore(pr + jv * VL, e);
-        sum = vadd(sum, e);
-      }
-      corr[r] = exp_approx(m[r] - bm);
-      m[r] = bm;
-      l[r] = l[r] * corr[r] + vreduce_add(sum);
-    }
+    block_softmax<B>(p, R, R4, start, lo, n, last, first, m, l, corr);
     block_values(p, vb, acc, corr, R4, D, B, lo, n);
   }
   for (int t = 0; t < tokens; ++t) {
@@ -238,6 +256,148 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
     }
   }
 }
+
+#if defined(__AVX512F__)
+// Prefill tiles on CPUs with AMX-BF16 (a bf16 model with a bf16 cache, blocks of 16): a step's two products,
+// S = Q K^T and P V, are tile products (tdpbf16ps, float32 sums) instead of float32 FMAs, which cap the kernel
+// above at ~0.45 ms per 1,000 query-key pairs for SmolLM2's 30 layers on a 2-core Sapphire Rapids: most of a long
+// prompt's prefill there, and what the step bound (engine/step_cost.py) spends a chunk's budget on. Half the
+// time or less there (benchmarks/prefill_attention.py). The online softmax stays float32 (block_softmax) and
+// works on kAmxKeys keys at a time (four cache blocks), so that its per-row work (reductions, rescaling the
+// accumulator) is paid once per 64 keys rather than per 16; P enters its product rounded to bf16, as in flash
+// attention on GPUs. Tiles, all 16 rows x 64 bytes: 0 Q (32 dims), 1 and 4 K (16 dim pairs x 16 keys x 2), 2 and 6
+// S (16 keys, float32), 3 P (32 keys, bf16), 4 and 6 V (16 key pairs x 16 dims x 2), 5 and 7 O (16 dims,
+// float32); two sums in flight in each product. K and V are interleaved by pairs (the tile's B layout) from the
+// cache's own layout, once per block and item.
+std::atomic<int> attention_path{-1};  // -1: auto, 0: vector (FMAs) only
+
+bool amx_attention_runs() {
+  static const bool runs = __builtin_cpu_supports("avx512bf16") && amx_available(AmxUnit::kBf16);
+  return runs;
+}
+
+// a0 b0 a1 b1 ... a15 b15 from 16 bf16 in a and 16 in b.
+__attribute__((target("avx512f,avx512bw"))) inline __m512i interleave_pairs(__m256i a, __m256i b) {
+  alignas(64) static constexpr uint16_t order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), _mm512_load_si512(order), _mm512_castsi256_si512(b));
+}
+
+__attribute__((target("avx512f"))) inline __m256i load16(const uint16_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void attention_item_amx(
+    const WorkItem& w, const uint16_t* q, uint16_t* out, const uint16_t* k_cache, const uint16_t* v_cache,
+    const int32_t* block_table, int ctx_len, int q_len, const AttnShape& shape, std::vector<float>& scratch) {
+  constexpr int B = kAmxAttnBlock, KB = kAmxKeys, NB = KB / B;
+  const int D = shape.head_dim, Hkv = shape.num_kv_heads, G = shape.num_heads / Hkv;
+  const int tokens = w.q_end - w.q_begin, R = tokens * G, R16 = (R + 15) / 16 * 16;
+  scratch.resize(static_cast<size_t>(R16) * (2 * D + KB + 5) + (static_cast<size_t>(R16) * (D + KB) + 2 * D * KB) / 2);
+  float* acc = scratch.data();  // [R16][D]
+  float* pv = acc + R16 * D;    // [R16][D]: these keys' P V
+  float* p = pv + R16 * D;      // [R16][KB]: scores, then probabilities
+  float* m = p + R16 * KB;
+  float* l = m + R16;
+  float* corr = l + R16;
+  int* last = reinterpret_cast<int*>(corr + R16);
+  int* first = last + R16;
+  uint16_t* qb = reinterpret_cast<uint16_t*>(first + R16);  // [R16][D], rows past R zero
+  uint16_t* pb = qb + R16 * D;                               // [R16][KB]
+  uint16_t* kp = pb + R16 * KB;                              // [NB][D / 2][B][2]
+  uint16_t* vp = kp + D * KB;                                // [KB / 32][D / 16][16][16][2]
+  const int64_t q_row_stride = static_cast<int64_t>(shape.num_heads) * D;
+  const int first_pos = ctx_len - q_len;
+  std::fill(acc, acc + R16 * D, 0.0f);
+  std::fill(qb + R * D, qb + R16 * D, 0);
+  for (int r = 0; r < R16; ++r) {
+    m[r] = -1e30f;
+    l[r] = 0.0f;
+    if (r >= R) continue;
+    const int t = r / G, g = r % G;
+    std::memcpy(qb + r * D, q + (w.q_begin + t) * q_row_stride + (w.kv_head * G + g) * D, D * sizeof(uint16_t));
+    last[r] = first_pos + w.q_begin + t;
+    first[r] = shape.window > 0 ? std::max(0, last[r] - shape.window + 1) : 0;
+  }
+  const __m512 scale = _mm512_set1_ps(shape.scale);
+  const int64_t block_elems = static_cast<int64_t>(B) * D;
+  const int kv_end = std::min(w.kv_end, first_pos + w.q_end);
+  for (int start = w.kv_begin - w.kv_begin % B; start < kv_end; start += KB) {
+    const int lo = std::max(start, w.kv_begin) - start;  // keys [lo, n) of these KB are this item's
+    const int n = std::min(KB, kv_end - start);
+    const int blocks = (n + B - 1) / B;  // past the context there is no block (nor a table entry) to read
+    for (int b = 0; b < blocks; ++b) {  // keys outside [lo, n) may be anything: their scores are masked below
+      const uint16_t* kb = k_cache + (static_cast<int64_t>(block_table[start / B + b]) * Hkv + w.kv_head) * block_elems;
+      for (int d = 0; d < D; d += 2)
+        _mm512_storeu_si512(kp + (b * D + d) * B, interleave_pairs(load16(kb + d * B), load16(kb + (d + 1) * B)));
+    }
+    for (int j = 0; j < KB; j += 2) {  // but their values are zeroed: a zero probability times a NaN is NaN
+      const uint16_t* vb = j < n ? v_cache + (static_cast<int64_t>(block_table[(start + j) / B]) * Hkv + w.kv_head) *
+                                                 block_elems + (j % B) * D : nullptr;
+      const bool a_ok = j >= lo && j < n, b_ok = j + 1 >= lo && j + 1 < n;
+      for (int d = 0; d < D; d += 16)
+        _mm512_storeu_si512(vp + ((j / 32 * (D / 16) + d / 16) * 16 + j % 32 / 2) * 32,
+                            interleave_pairs(a_ok ? load16(vb + d) : _mm256_setzero_si256(),
+                                             b_ok ? load16(vb + D + d) : _mm256_setzero_si256()));
+    }
+    // two sum tiles in flight (2 and 6: two blocks' scores), so that no tile product waits for the one before
+    for (int rt = 0; rt < R16; rt += 16) {
+      for (int b = 0; b < blocks; b += 2) {
+        const bool two = b + 1 < blocks;
+        _tile_zero(2);
+        if (two) _tile_zero(6);
+        for (int d = 0; d < D; d += 32) {
+          _tile_loadd(0, qb + rt * D + d, D * 2);
+          _tile_loadd(1, kp + (b * D + d) * B, 64);
+          _tile_dpbf16ps(2, 0, 1);
+          if (two) {
+            _tile_loadd(4, kp + ((b + 1) * D + d) * B, 64);
+            _tile_dpbf16ps(6, 0, 4);
+          }
+        }
+        _tile_stored(2, p + rt * KB + b * B, KB * 4);
+        if (two) _tile_stored(6, p + rt * KB + (b + 1) * B, KB * 4);
+      }
+    }
+    for (int r = 0; r < R16; ++r)
+      for (int b = 0; b < blocks; ++b)
+        _mm512_storeu_ps(p + r * KB + b * B, _mm512_mul_ps(_mm512_loadu_ps(p + r * KB + b * B), scale));
+    block_softmax<KB>(p, R, R16, start, lo, n, last, first, m, l, corr);
+    for (int r = 0; r < R16; ++r)
+      for (int b = 0; b < NB; ++b)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * KB + b * B),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * KB + b * B)));
+    const int chunks = (n + 31) / 32;
+    for (int rt = 0; rt < R16; rt += 16) {  // two output tiles in flight (5 and 7: 32 dims), D a multiple of 32
+      for (int d = 0; d < D; d += 32) {
+        _tile_zero(5);
+        _tile_zero(7);
+        for (int c = 0; c < chunks; ++c) {
+          _tile_loadd(3, pb + rt * KB + c * 32, KB * 2);
+          _tile_loadd(4, vp + (c * (D / 16) + d / 16) * 16 * 32, 64);
+          _tile_dpbf16ps(5, 3, 4);
+          _tile_loadd(6, vp + (c * (D / 16) + d / 16 + 1) * 16 * 32, 64);
+          _tile_dpbf16ps(7, 3, 6);
+        }
+        _tile_stored(5, pv + rt * D + d, D * 4);
+        _tile_stored(7, pv + rt * D + d + 16, D * 4);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 c = _mm512_set1_ps(corr[r]);
+      for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(acc + r * D + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + r * D + d), c,
+                                                          _mm512_loadu_ps(pv + r * D + d)));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int t = r / G, g = r % G;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int d = 0; d < D; ++d) acc[r * D + d] *= inv;
+    store_row<at::BFloat16>(out + (w.q_begin + t) * q_row_stride + (w.kv_head * G + g) * D, acc + r * D, D);
+  }
+}
+#endif
 
 // This step's own keys and values (shape.new_k, new_v), laid out as attention_item reads a block: per sequence,
 // the blocks that hold its new tokens, per block and KV head K [D][B] then V [B][D], float32 in the cache's
@@ -302,6 +462,14 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const int64_t table_stride = block_tables.stride(0);
   const int threads = at::get_num_threads();
 
+  // AMX-BF16 for the items with a tile of query rows (prefill chunks), where it runs;
+  // their items take more query tokens (kAmxQueryTile), which share each block's interleaving
+  bool amx = false;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && B == kAmxAttnBlock)
+    amx = !shape.new_k && shape.kv_format == tm_kv::KVFormat::kNative && D % 32 == 0 &&
+          attention_path.load(std::memory_order_relaxed) != 0 && amx_attention_runs();
+#endif
   int64_t base_items = 0;
   for (int s = 0; s < num_seqs; ++s)
     base_items += static_cast<int64_t>((qsl[s + 1] - qsl[s] + kQueryTile - 1) / kQueryTile) * shape.num_kv_heads;
@@ -325,8 +493,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
           items.push_back({s, h, 0, 1, begin + i * per, std::min(ctx, begin + (i + 1) * per), num_partials++});
         continue;
       }
-      for (int b = 0; b < q_len; b += kQueryTile)
-        items.push_back({s, h, b, std::min(q_len, b + kQueryTile), first_key(b), ctx, -1});
+      const int tile = amx && q_len * G >= 16 ? kAmxQueryTile : kQueryTile;
+      for (int b = 0; b < q_len; b += tile)
+        items.push_back({s, h, b, std::min(q_len, b + tile), first_key(b), ctx, -1});
     }
   }
   // Longest items first, handed out dynamically: a long prefill tile must not be the last one started.
@@ -347,14 +516,30 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
 #pragma omp parallel num_threads(threads) if (threads > 1 && n_items > 1)
   {
     std::vector<float> scratch;
+#if defined(__AVX512F__)
+    if (amx) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_items; ++i) {
       const WorkItem& w = items[i];
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, at::BFloat16> && B == kAmxAttnBlock) {
+        if (amx && w.partial < 0 && (w.q_end - w.q_begin) * G >= 16) {
+          attention_item_amx(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, static_cast<const uint16_t*>(kc),
+                             static_cast<const uint16_t*>(vc), tables + w.seq * table_stride, lens[w.seq],
+                             qsl[w.seq + 1] - qsl[w.seq], shape, scratch);
+          continue;
+        }
+      }
+#endif
       attention_item<T, B>(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, kc, vc,
                            fresh ? fresh + fresh_at[w.seq] * shape.num_kv_heads * 2 * block_elems : nullptr,
                            tables + w.seq * table_stride, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], shape,
                            partials.data(), scratch);
     }
+#if defined(__AVX512F__)
+    if (amx) amx_release();
+#endif
   }
   // Merge the parts of each split (sequence, head): rescale each part to the common max.
   std::vector<float> acc(D);
@@ -465,6 +650,26 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
       default: TORCH_CHECK(false, "paged_attention: block size must be 16, 32, 64 or 128, got ", block_size);
     }
   });
+}
+
+std::string attention_prefill_path() {
+#if defined(__AVX512F__)
+  if (attention_path.load(std::memory_order_relaxed) != 0 && amx_attention_runs()) return "amx_bf16";
+#endif
+  return "vector";
+}
+
+std::string attention_select_path(const std::string& path) {
+  const std::string previous = attention_prefill_path();
+  TORCH_CHECK(path == "auto" || path == "vector" || path == "amx_bf16",
+              "attention_select_path: unknown path '", path, "' (auto, vector, amx_bf16)");
+#if defined(__AVX512F__)
+  TORCH_CHECK(path != "amx_bf16" || amx_attention_runs(), "attention_select_path: this CPU does not run amx_bf16");
+  attention_path.store(path == "vector" ? 0 : -1, std::memory_order_relaxed);
+#else
+  TORCH_CHECK(path != "amx_bf16", "attention_select_path: this build does not run amx_bf16");
+#endif
+  return previous;
 }
 
 }  // namespace TM_NAMESPACE

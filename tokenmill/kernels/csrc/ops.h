@@ -43,6 +43,9 @@ bool small_m_supported(at::ScalarType dtype);
 at::Tensor pack_small_m(const at::Tensor& weight);
 std::string small_m_large_path(at::ScalarType dtype);
 std::string small_m_select_path(const std::string& path);
+// paged_attention's path for prefill tiles of a bf16 model: amx_bf16 where the CPU runs it, else vector
+std::string attention_prefill_path();
+std::string attention_select_path(const std::string& path);
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                           int64_t out_features);
 

@@ -17,6 +17,9 @@ TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale, int window=0, Tensor? kv_scales=None, "
         "Tensor? key=None, Tensor? value=None) -> ()");
+  m.def("attention_prefill_path() -> str", [] { return TM_NAMESPACE::attention_prefill_path(); });
+  m.def("attention_select_path(str path) -> str",
+        [](std::string p) { return TM_NAMESPACE::attention_select_path(p); });
   m.def("rope_and_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor(c!) q_out, Tensor? q_norm, Tensor? k_norm, float eps, "
         "Tensor? kv_scales=None, Tensor(d!)? k_out=None) -> ()");
