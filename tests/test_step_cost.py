@@ -60,13 +60,42 @@ def test_the_derived_target_is_twice_the_decodes_alone():
     assert model.predict(n + MIN_CHUNK, (n + MIN_CHUNK) * (n + MIN_CHUNK + 1) // 2, rows, dctx) > target
 
 
+def test_prompts_that_outnumber_the_streams_loosen_the_derived_target():
+    """The derived target weighs the prompts still to compute against the streams it protects: unchanged while
+    streams outnumber them, proportional past that; a target the user set is kept whatever waits."""
+    model = fitted(target_s=None)
+    rows, dctx = 2, 2 * 1024
+    decode_only = model.predict(0, 0, rows, dctx)
+    base = StepCostModel.DECODE_FACTOR * decode_only
+    assert model.derived_target(decode_only, rows, 1) == pytest.approx(max(base, StepCostModel.MIN_TARGET_S))
+    assert model.derived_target(decode_only, rows, 2) == model.derived_target(decode_only, rows, 1)
+    assert model.derived_target(decode_only, rows, 6) == pytest.approx(max(3 * base, StepCostModel.MIN_TARGET_S))
+    alone, queued = model.prefill_budget(rows, dctx, 500, 4096), model.prefill_budget(rows, dctx, 500, 4096, 6)
+    assert queued > alone
+    fixed = fitted(target_s=0.040)
+    assert fixed.prefill_budget(rows, dctx, 500, 4096, 6) == fixed.prefill_budget(rows, dctx, 500, 4096, 1)
+
+
+def test_the_scheduler_counts_waiting_and_part_computed_prompts():
+    s = make_scheduler(num_blocks=256, budget=64, max_model_len=512)
+    s.step_cost = bound = FixedBound(8)
+    s.add_request(make_request("a", 4))
+    complete(s.schedule())
+    for name in "bcd":
+        s.add_request(make_request(name, 100))
+    complete(s.schedule())  # a decodes; b starts its prompt, c and d wait
+    assert bound.calls[-1][-1] == 3
+    complete(s.schedule())
+    assert bound.calls[-1][-1] == 3  # b part-way, c and d waiting
+
+
 class FixedBound:
     """A step-cost model whose bound is a constant: the scheduler's side alone."""
     def __init__(self, tokens: int):
         self.tokens, self.calls = tokens, []
 
-    def prefill_budget(self, decode_rows, decode_context, context, budget):
-        self.calls.append((decode_rows, decode_context, context, budget))
+    def prefill_budget(self, decode_rows, decode_context, context, budget, pending=1):
+        self.calls.append((decode_rows, decode_context, context, budget, pending))
         return min(self.tokens, budget)
 
 
@@ -82,8 +111,8 @@ def test_prefill_chunks_are_bounded_only_while_decodes_run():
         out = s.schedule()
         assert out.num_scheduled_tokens == {"a": 1, "b": 8}
         complete(out)
-    assert bound.calls[0] == (1, 40, 0, 64)
-    assert bound.calls[1] == (1, 41, 8, 64)  # b's chunk starts past what it computed
+    assert bound.calls[0] == (1, 40, 0, 64, 1)
+    assert bound.calls[1] == (1, 41, 8, 64, 1)  # b's chunk starts past what it computed
     s.finish(s.requests["a"], RequestStatus.FINISHED_STOPPED)
     out = s.schedule()  # a finished: b alone takes the whole budget again
     assert out.num_scheduled_tokens == {"b": 64}

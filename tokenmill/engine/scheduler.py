@@ -106,9 +106,10 @@ class Scheduler:
         rows = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         if not rows:
             return budget
-        first = next((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1), None)
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         return self.step_cost.prefill_budget(len(rows), sum(r.num_computed_tokens for r in rows),
-                                             first.num_computed_tokens if first is not None else 0, budget)
+                                             prefilling[0].num_computed_tokens if prefilling else 0, budget,
+                                             len(prefilling) + len(self.waiting))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
