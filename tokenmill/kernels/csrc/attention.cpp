@@ -76,6 +76,20 @@ inline void load_kv(float* dst, const void* cache, int64_t offset, int n, tm_kv:
     tm_kv::decode_row(dst, static_cast<const uint8_t*>(cache) + offset, n, fmt, scale);
 }
 
+// Asks for a block's K and V (bytes from `offset` in each cache) ahead of their use. A decode reads each block
+// once, and a sequence's blocks are scattered over the pool, so the hardware prefetcher, which follows runs of
+// addresses, stops at every block's end: without this, a decode step of 64 sequences on a 2-core Sapphire
+// Rapids read its KV at ~9 GB/s, a third of what the memory streams (benchmarks/attention.py). One block ahead
+// measured as well as two or three there.
+inline void prefetch_block(const void* k_cache, const void* v_cache, int64_t offset, int64_t bytes) {
+  const char* k = static_cast<const char*>(k_cache) + offset;
+  const char* v = static_cast<const char*>(v_cache) + offset;
+  for (int64_t i = 0; i < bytes; i += 64) {
+    __builtin_prefetch(k + i);
+    __builtin_prefetch(v + i);
+  }
+}
+
 // Scores of kRowBlock query rows against a block at a time: p[r][j] = q_r . k_j, with K transposed ([D][B]).
 // The accumulators stay in registers: two independent chains per row (two key vectors, or even and odd dims).
 template <int B>
@@ -212,10 +226,14 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
   }
   const int64_t block_elems = static_cast<int64_t>(B) * D;
   const int kv_end = std::min(w.kv_end, first_pos + w.q_end);  // no row sees past the tile's last token
+  const int elem_bytes = shape.kv_format == tm_kv::KVFormat::kNative ? sizeof(typename Elem<T>::raw) : 1;
   for (int start = w.kv_begin - w.kv_begin % B; start < kv_end; start += B) {
     const int lo = std::max(start, w.kv_begin) - start;  // first key of the block this item covers
     const int n = std::min(B, kv_end - start);
     const int64_t base = (static_cast<int64_t>(block_table[start / B]) * Hkv + w.kv_head) * block_elems;
+    if (start + B < kv_end)  // the next block, while this one is computed
+      prefetch_block(k_cache, v_cache, (static_cast<int64_t>(block_table[start / B + 1]) * Hkv + w.kv_head) *
+                                           block_elems * elem_bytes, block_elems * elem_bytes);
     // Keys [lo, cached) come from the cache; [cached, n) are this step's own, from the fresh blocks when given
     // (fresh_blocks: the same layouts, in code units). A block of this step's keys only is read where it lies.
     const int cached = fresh ? std::clamp(first_pos - start, lo, n) : n;
@@ -262,7 +280,7 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
 // S = Q K^T and P V, are tile products (tdpbf16ps, float32 sums) instead of float32 FMAs, which cap the kernel
 // above at ~0.45 ms per 1,000 query-key pairs for SmolLM2's 30 layers on a 2-core Sapphire Rapids: most of a long
 // prompt's prefill there, and what the step bound (engine/step_cost.py) spends a chunk's budget on. Half the
-// time or less there (benchmarks/prefill_attention.py). The online softmax stays float32 (block_softmax) and
+// time or less there (benchmarks/attention.py). The online softmax stays float32 (block_softmax) and
 // works on kAmxKeys keys at a time (four cache blocks), so that its per-row work (reductions, rescaling the
 // accumulator) is paid once per 64 keys rather than per 16; P enters its product rounded to bf16, as in flash
 // attention on GPUs. Tiles, all 16 rows x 64 bytes: 0 Q (32 dims), 1 and 4 K (16 dim pairs x 16 keys x 2), 2 and 6
