@@ -1,5 +1,6 @@
 """Per-linear microbenchmark: the quantized kernel (4-bit and 8-bit, as dispatched: int16 dot products up to its
-row threshold; above, bf16 tiles on AVX512-BF16 CPUs (the path line says "+bf16_tiles"), else dequantize + oneDNN)
+row threshold; above, bf16 tiles on AVX512-BF16 CPUs (the path line says "+bf16_tiles", or "+amx_bf16_tiles" where
+their blocks of 16 and 32 rows run on AMX-BF16), else dequantize + oneDNN)
 against the dequantize + oneDNN path at every row count, oneDNN bf16 on a prepacked dense weight and the small-M
 bf16 kernel, on the default model's linear shapes (SmolLM2-135M: qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536, lm_head 49152x576).

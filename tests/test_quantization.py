@@ -63,9 +63,24 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return half_step @ w.double().abs().T
 
 
+@pytest.mark.parametrize("tiles", ["auto", "bf16_tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quant_linear_matches_dequantized_reference(ops, fmt, dtype):
+def test_quant_linear_matches_dequantized_reference(ops, fmt, dtype, tiles):
+    """Every path by rows: the int16 kernel, dequantize + oneDNN, and for bf16 the tiles: AMX-BF16 blocks of 16 and
+    32 rows beside vdpbf16ps ones where the CPU runs AMX (auto), and vdpbf16ps alone (forced there by
+    quant_linear_select_path); on shapes whose outputs end mid-tile and mid-group."""
+    if tiles != "auto" and (dtype == torch.float32 or "amx_bf16_tiles" not in ops.quant_linear_path()):
+        pytest.skip("the same path as auto on this CPU and build")
+    previous = ops.quant_linear_select_path(tiles)
+    try:
+        check_quant_linear(ops, fmt, dtype)
+    finally:
+        ops.quant_linear_select_path("auto")
+    assert previous == ops.quant_linear_path()
+
+
+def check_quant_linear(ops, fmt, dtype):
     for i, (n, k) in enumerate(SHAPES):
         t = make_weight(fmt, n, k, seed=i)
         packed = QuantizedWeight(t)
@@ -251,8 +266,13 @@ def test_llamacpp_choices_are_near_ties_teacher_forced(engines):
               f"largest gap {max(flat):.3f} (per prompt {[round(max(case), 3) for case in per_case]})")
     # Measured (Zen 5): llama.cpp's token first at 250 of 256 positions in bf16 (largest gap 0.250), 248 in float32
     # kept quantized (0.219) and dequantized (0.220; the torch emulation finds 0.22 too); Sapphire Rapids: the same
-    # largest gaps (bf16 0.250 exactly: two bf16 steps)
-    assert all(g <= NEAR_TIE for per_case in gaps.values() for case in per_case for g in case)
+    # in float32, and in bf16 249 of 256 with a largest gap of 0.3125 on the AMX-BF16 tiles, the very gaps of the
+    # file dequantized to a dense bf16 model on the same CPU (0.250 on the vdpbf16ps tiles: the sums' order moves
+    # a bf16 logit by a step). bf16 logits at these magnitudes (< 32) are 0.125 apart at most, so in bf16 the bound
+    # is the near-tie plus one such step.
+    for name, per_case in gaps.items():
+        bound = NEAR_TIE + (0.125 if name == "auto_bf16" else 0)
+        assert all(g <= bound for case in per_case for g in case), (name, bound)
 
 
 def test_quantized_flag_that_cannot_be_served_fails_the_start(monkeypatch):

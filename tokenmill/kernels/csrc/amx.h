@@ -1,5 +1,5 @@
-// Intel AMX (Sapphire Rapids and later), shared by the kernels that use it (w8a8.cpp: AMX-INT8; gemm_small_m.cpp
-// and attention.cpp: AMX-BF16). Only the AVX-512 build has AMX paths.
+// Intel AMX (Sapphire Rapids and later), shared by the kernels that use it (w8a8.cpp: AMX-INT8; gemm_small_m.cpp,
+// quant_linear.cpp and attention.cpp: AMX-BF16). Only the AVX-512 build has AMX paths.
 //
 // - amx_available(): the CPU has AMX-TILE and the data type's unit (CPUID.(7,0):EDX bit 24, and 25 for INT8 or 22
 //   for BF16), and Linux gave this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE 18;
@@ -60,6 +60,43 @@ __attribute__((target("amx-tile"))) inline void amx_configure() {
 }
 
 __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
+
+// The bf16 GEMM register block of gemm_small_m.cpp (a packed dense weight) and quant_linear.cpp (a weight tile
+// dequantized per call): y rows [0, rows) x G groups of 16 outputs = x W^T (+ bias), all of K (a multiple of 32)
+// accumulated in float32 sum tiles 4 + 2a + g (a: activation tile of 16 rows, g: weight tile), as oneDNN's AMX
+// GEMM does, then bias and bf16 (round to nearest even) into y. x: A * 16 rows readable, x_bytes apart. W: per
+// group, K/2 rows of [16 outputs x 2 bf16] (a tdpbf16ps B tile is 16 such rows), Pair bf16 apart (32: the groups
+// one after another; 64: two groups interleaved row by row), group g at w + g * group_elems.
+template <int A, int G, int Pair>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))) void amx_bf16_block(
+    const uint16_t* x, int64_t x_bytes, const uint16_t* w, int64_t group_elems, int64_t K, const float* bias,
+    uint16_t* y, int64_t y_stride, int rows) {
+  _tile_zero(4);
+  if constexpr (G > 1) _tile_zero(5);
+  if constexpr (A > 1) _tile_zero(6);
+  if constexpr (A > 1 && G > 1) _tile_zero(7);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(0, x + k, x_bytes);
+    if constexpr (A > 1) _tile_loadd(1, reinterpret_cast<const char*>(x + k) + 16 * x_bytes, x_bytes);
+    _tile_loadd(2, w + k / 2 * Pair, Pair * 2);
+    if constexpr (G > 1) _tile_loadd(3, w + group_elems + k / 2 * Pair, Pair * 2);
+    _tile_dpbf16ps(4, 0, 2);
+    if constexpr (G > 1) _tile_dpbf16ps(5, 0, 3);
+    if constexpr (A > 1) _tile_dpbf16ps(6, 1, 2);
+    if constexpr (A > 1 && G > 1) _tile_dpbf16ps(7, 1, 3);
+  }
+  alignas(64) float c[A][G][16][16];
+  _tile_stored(4, c[0][0], 64);
+  if constexpr (G > 1) _tile_stored(5, c[0][G - 1], 64);
+  if constexpr (A > 1) _tile_stored(6, c[A - 1][0], 64);
+  if constexpr (A > 1 && G > 1) _tile_stored(7, c[A - 1][G - 1], 64);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) {
+      __m512 v = _mm512_load_ps(c[r / 16][g][r % 16]);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + g * 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + g * 16), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
 
 }  // namespace TM_NAMESPACE
 #endif

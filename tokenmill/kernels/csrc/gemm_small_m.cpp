@@ -77,38 +77,6 @@ constexpr int kAmxGroups = 2;   // 16-output groups per block: two weight tiles
 constexpr int kAmxSpan = 8;     // groups per work item (rows outer): a row's outputs are written 256 bytes at a time
 constexpr int64_t kAmxChunk = 256;  // rows per work item
 
-// Sum tiles 4 + 2a + g (a: activation tile, g: weight tile), all K, then bias and bf16 into y.
-template <int A, int G>
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))) void amx_bf16_block(
-    const uint16_t* x, int64_t x_bytes, const uint16_t* w, int64_t group_elems, int64_t K, const float* bias,
-    uint16_t* y, int64_t y_stride, int rows) {
-  _tile_zero(4);
-  if constexpr (G > 1) _tile_zero(5);
-  if constexpr (A > 1) _tile_zero(6);
-  if constexpr (A > 1 && G > 1) _tile_zero(7);
-  for (int64_t k = 0; k < K; k += 32) {
-    _tile_loadd(0, x + k, x_bytes);
-    if constexpr (A > 1) _tile_loadd(1, reinterpret_cast<const char*>(x + k) + 16 * x_bytes, x_bytes);
-    _tile_loadd(2, w + k * 16, 64);
-    if constexpr (G > 1) _tile_loadd(3, w + group_elems + k * 16, 64);
-    _tile_dpbf16ps(4, 0, 2);
-    if constexpr (G > 1) _tile_dpbf16ps(5, 0, 3);
-    if constexpr (A > 1) _tile_dpbf16ps(6, 1, 2);
-    if constexpr (A > 1 && G > 1) _tile_dpbf16ps(7, 1, 3);
-  }
-  alignas(64) float c[A][G][16][16];
-  _tile_stored(4, c[0][0], 64);
-  if constexpr (G > 1) _tile_stored(5, c[0][G - 1], 64);
-  if constexpr (A > 1) _tile_stored(6, c[A - 1][0], 64);
-  if constexpr (A > 1 && G > 1) _tile_stored(7, c[A - 1][G - 1], 64);
-  for (int r = 0; r < rows; ++r)
-    for (int g = 0; g < G; ++g) {
-      __m512 v = _mm512_load_ps(c[r / 16][g][r % 16]);
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + g * 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + g * 16), (__m256i)_mm512_cvtneps_pbh(v));
-    }
-}
-
 using AmxBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, uint16_t*,
                             int64_t, int);
 
@@ -119,8 +87,8 @@ void amx_bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const float* b
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t x_stride = x.stride(0), group_elems = K * 16;
-  static constexpr AmxBlockFn fns[2][2] = {{&amx_bf16_block<1, 1>, &amx_bf16_block<1, 2>},
-                                           {&amx_bf16_block<2, 1>, &amx_bf16_block<2, 2>}};
+  static constexpr AmxBlockFn fns[2][2] = {{&amx_bf16_block<1, 1, 32>, &amx_bf16_block<1, 2, 32>},
+                                           {&amx_bf16_block<2, 1, 32>, &amx_bf16_block<2, 2, 32>}};
   const int64_t spans = (groups + kAmxSpan - 1) / kAmxSpan, chunks = (M + kAmxChunk - 1) / kAmxChunk;
   at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> tail;  // the last rows, zero-padded to a whole block: a tile reads 16 rows

@@ -56,6 +56,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& meta, int64_t out_features,
                             at::ScalarType dtype);
 std::string quant_linear_path();
+std::string quant_linear_select_path(const std::string& path);
 
 // w8a8.cpp: y = x W^T (+ bias) with int8 weights per output channel and int8 activations per row and 64 K
 // quantized here (tokenmill/models/quantization.py's W8A8Weight packs qweight and meta); the activations'

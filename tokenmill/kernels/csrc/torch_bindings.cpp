@@ -42,6 +42,8 @@ TORCH_LIBRARY(TM_NAMESPACE, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor meta, Tensor? bias, int out_features) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor meta, int out_features, ScalarType dtype) -> Tensor");
   m.def("quant_linear_path() -> str", [] { return TM_NAMESPACE::quant_linear_path(); });
+  m.def("quant_linear_select_path(str path) -> str",
+        [](std::string p) { return TM_NAMESPACE::quant_linear_select_path(p); });
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor meta, Tensor? bias, int out_features) -> Tensor");
   m.def("w8a8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("w8a8_int_gemm(Tensor xq, Tensor qweight, Tensor meta) -> Tensor");
