@@ -2,7 +2,8 @@
 # tokenmill against vLLM-CPU, side by side in one run on this machine (issue #11's protocol): both servers up,
 # the same random prompts, ISL 256 / OSL 128, c=1,8,32,64, 2 requests per stream, SLO TTFT p99 < 2 s and
 # ITL p50 < 100 ms. The machine's flags go into the results. Run it on a quiet machine.
-#   benchmarks/compare_vllm_cpu.sh [DTYPE] [OUT_DIR]     (DTYPE bfloat16 or float32; vLLM from ../shared/peers)
+#   benchmarks/compare_vllm_cpu.sh [DTYPE] [OUT_DIR]     (DTYPE bfloat16 or float32; vLLM from ../shared/peers;
+#                                                        CONCURRENCY: levels, default 1,8,32,64)
 set -euo pipefail
 DTYPE=${1:-bfloat16}
 PREC=$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)
@@ -19,6 +20,6 @@ trap 'kill $TM $VLLM 2>/dev/null || true' EXIT
 until curl -sf http://127.0.0.1:8000/health/ready > /dev/null; do sleep 2; done
 until curl -sf http://127.0.0.1:8100/v1/models > /dev/null; do sleep 2; done
 $PY/tokenmill bench serve --compare tokenmill=http://127.0.0.1:8000 vllm-cpu=http://127.0.0.1:8100 \
-  --dataset random --input-len 256 --output-len 128 --concurrency 1,8,32,64 --requests-per-stream 2 \
+  --dataset random --input-len 256 --output-len 128 --concurrency "${CONCURRENCY:-1,8,32,64}" --requests-per-stream 2 \
   --warmup 4 --ignore-eos --precision "$PREC" --slo ttft_p99_ms=2000,itl_p50_ms=100 --seed "${SEED:-1130}" \
   --output-dir "$OUT" 2>&1 | tee "$OUT/bench.txt"

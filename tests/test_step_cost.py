@@ -7,7 +7,7 @@ import pytest
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import step_cost_model
 from tokenmill.engine.request import RequestStatus
-from tokenmill.engine.step_cost import FIRST_FIT, MIN_CHUNK, StepCostModel
+from tokenmill.engine.step_cost import FIRST_FIT, MIN_CHUNK, UNFITTED_CHUNK, StepCostModel
 from test_scheduler import complete, make_request, make_scheduler
 
 # seconds = a + b * prefill tokens + c * decode rows + d * pairs/1024 + e * decode context/1024
@@ -43,9 +43,12 @@ def test_the_bound_is_the_largest_chunk_within_the_target():
     assert cost(budget) <= 0.050 < cost(budget + MIN_CHUNK)
     # a longer context makes each token dearer: a smaller chunk
     assert model.prefill_budget(8, 8000, 1800, 512) < budget
-    # no decode to protect, or no fit yet: the token budget
+    # no decode to protect: the token budget; decodes but no fit yet: a small chunk, whatever the target
     assert model.prefill_budget(0, 0, 300, 512) == 512
-    assert StepCostModel(0.050).prefill_budget(8, 8000, 300, 512) == 512
+    for unfitted in (StepCostModel(0.050), StepCostModel(None)):
+        assert unfitted.prefill_budget(8, 8000, 300, 512) == UNFITTED_CHUNK
+        assert unfitted.prefill_budget(8, 8000, 300, 32) == 32
+        assert unfitted.prefill_budget(0, 0, 300, 512) == 512
     # a target no chunk meets still moves the prompt, one MIN_CHUNK a step
     assert fitted(target_s=0.001).prefill_budget(8, 8000, 300, 512) == MIN_CHUNK
 
