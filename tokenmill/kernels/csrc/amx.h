@@ -16,7 +16,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace TM_NAMESPACE {
 
@@ -61,13 +63,17 @@ __attribute__((target("amx-tile"))) inline void amx_configure() {
 
 __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
 
-// The bf16 GEMM register block of gemm_small_m.cpp (a packed dense weight) and quant_linear.cpp (a weight tile
-// dequantized per call): y rows [0, rows) x G groups of 16 outputs = x W^T (+ bias), all of K (a multiple of 32)
-// accumulated in float32 sum tiles 4 + 2a + g (a: activation tile of 16 rows, g: weight tile), as oneDNN's AMX
-// GEMM does, then bias and bf16 (round to nearest even) into y. x: A * 16 rows readable, x_bytes apart. W: per
-// group, K/2 rows of [16 outputs x 2 bf16] (a tdpbf16ps B tile is 16 such rows), Pair bf16 apart (32: the groups
-// one after another; 64: two groups interleaved row by row), group g at w + g * group_elems.
-template <int A, int G, int Pair>
+// The bf16 GEMM on AMX of gemm_small_m.cpp (a packed dense weight) and quant_linear.cpp (weight groups
+// dequantized per call into the same layout): per 16-output group, K/2 rows of [16 outputs x 2 bf16], 64 bytes
+// apart, so that 16 such rows are one tdpbf16ps B tile and group g sits at w + g * K * 16.
+constexpr int kAmxRows = 32;   // rows per register block: two activation tiles
+constexpr int kAmxGroups = 2;  // 16-output groups per block: two weight tiles
+constexpr int kAmxSpan = 8;    // groups per work item (rows outer): a row's outputs are written 256 bytes at a time
+
+// One register block: y rows [0, rows) x G groups = x W^T (+ bias), all of K (a multiple of 32) accumulated in
+// float32 sum tiles 4 + 2a + g (a: activation tile, g: weight tile), as oneDNN's AMX GEMM does, then bias and bf16
+// (round to nearest even) into y. x: A * 16 rows readable, x_bytes apart.
+template <int A, int G>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))) void amx_bf16_block(
     const uint16_t* x, int64_t x_bytes, const uint16_t* w, int64_t group_elems, int64_t K, const float* bias,
     uint16_t* y, int64_t y_stride, int rows) {
@@ -78,8 +84,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))
   for (int64_t k = 0; k < K; k += 32) {
     _tile_loadd(0, x + k, x_bytes);
     if constexpr (A > 1) _tile_loadd(1, reinterpret_cast<const char*>(x + k) + 16 * x_bytes, x_bytes);
-    _tile_loadd(2, w + k / 2 * Pair, Pair * 2);
-    if constexpr (G > 1) _tile_loadd(3, w + group_elems + k / 2 * Pair, Pair * 2);
+    _tile_loadd(2, w + k * 16, 64);
+    if constexpr (G > 1) _tile_loadd(3, w + group_elems + k * 16, 64);
     _tile_dpbf16ps(4, 0, 2);
     if constexpr (G > 1) _tile_dpbf16ps(5, 0, 3);
     if constexpr (A > 1) _tile_dpbf16ps(6, 1, 2);
@@ -96,6 +102,37 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + g * 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + g * 16), (__m256i)_mm512_cvtneps_pbh(v));
     }
+}
+
+// Rows [m_begin, m_end) of x ([M, K] bf16, rows x_stride apart) against `groups` groups of w, rows outer, in
+// register blocks of kAmxRows x kAmxGroups; bias (or null) and y ([., y_stride] bf16) start at w's first output.
+// The rows past the last whole 16 of x are read from `tail`, a zero-padded copy: a tile reads 16 rows. Runs on the
+// calling thread, between amx_configure() and amx_release().
+inline void amx_bf16_rows(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_end, int64_t M,
+                          const uint16_t* w, int64_t groups, int64_t K, const float* bias, uint16_t* y,
+                          int64_t y_stride, std::vector<uint16_t>& tail) {
+  using BlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, uint16_t*,
+                           int64_t, int);
+  static constexpr BlockFn fns[2][2] = {{&amx_bf16_block<1, 1>, &amx_bf16_block<1, 2>},
+                                        {&amx_bf16_block<2, 1>, &amx_bf16_block<2, 2>}};
+  const int64_t group_elems = K * 16;
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kAmxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, m_end - m0));
+    const uint16_t* xb = x + m0 * x_stride;
+    int64_t xb_bytes = x_stride * 2;
+    if (rows % 16 && m0 + rows == M) {
+      tail.assign(static_cast<size_t>(kAmxRows) * K, 0);
+      for (int r = 0; r < rows; ++r) std::copy(xb + r * x_stride, xb + r * x_stride + K, tail.data() + r * K);
+      xb = tail.data();
+      xb_bytes = K * 2;
+    }
+    const int a = rows > 16 ? 2 : 1;
+    for (int64_t g0 = 0; g0 < groups; g0 += kAmxGroups) {
+      const int g = static_cast<int>(std::min<int64_t>(kAmxGroups, groups - g0));
+      fns[a - 1][g - 1](xb, xb_bytes, w + g0 * group_elems, group_elems, K, bias ? bias + g0 * 16 : nullptr,
+                        y + m0 * y_stride + g0 * 16, y_stride, rows);
+    }
+  }
 }
 
 }  // namespace TM_NAMESPACE

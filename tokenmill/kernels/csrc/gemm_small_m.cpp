@@ -72,47 +72,24 @@ void small_m_f32_block(const float* x, int64_t x_stride, int rows, const float* 
 }
 
 #if defined(__AVX512F__)
-constexpr int kAmxRows = 32;    // rows per AMX register block: two activation tiles
-constexpr int kAmxGroups = 2;   // 16-output groups per block: two weight tiles
-constexpr int kAmxSpan = 8;     // groups per work item (rows outer): a row's outputs are written 256 bytes at a time
 constexpr int64_t kAmxChunk = 256;  // rows per work item
 
-using AmxBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, uint16_t*,
-                            int64_t, int);
-
-// y [M, Np] = x [M, K] W^T (+ bias), W packed [Np/16][K/2][16][2] bf16, K a multiple of 32.
+// y [M, Np] = x [M, K] W^T (+ bias), W packed [Np/16][K/2][16][2] bf16, K a multiple of 32: work items of
+// kAmxChunk rows x kAmxSpan groups (amx.h's amx_bf16_rows).
 void amx_bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0), Np = groups * 16;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t x_stride = x.stride(0), group_elems = K * 16;
-  static constexpr AmxBlockFn fns[2][2] = {{&amx_bf16_block<1, 1, 32>, &amx_bf16_block<1, 2, 32>},
-                                           {&amx_bf16_block<2, 1, 32>, &amx_bf16_block<2, 2, 32>}};
   const int64_t spans = (groups + kAmxSpan - 1) / kAmxSpan, chunks = (M + kAmxChunk - 1) / kAmxChunk;
   at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> tail;  // the last rows, zero-padded to a whole block: a tile reads 16 rows
+    std::vector<uint16_t> tail;
     amx_configure();
     for (int64_t i = begin; i < end; ++i) {
       const int64_t chunk = i / spans, g_first = (i % spans) * kAmxSpan;
-      const int64_t g_last = std::min(groups, g_first + kAmxSpan), m_end = std::min(M, (chunk + 1) * kAmxChunk);
-      for (int64_t m0 = chunk * kAmxChunk; m0 < m_end; m0 += kAmxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, m_end - m0));
-        const uint16_t* xb = xp + m0 * x_stride;
-        int64_t xb_bytes = x_stride * 2;
-        if (rows % 16 && m0 + rows == M) {
-          tail.assign(static_cast<size_t>(kAmxRows) * K, 0);
-          for (int r = 0; r < rows; ++r) std::copy(xb + r * x_stride, xb + r * x_stride + K, tail.data() + r * K);
-          xb = tail.data();
-          xb_bytes = K * 2;
-        }
-        const int a = rows > 16 ? 2 : 1;
-        for (int64_t g0 = g_first; g0 < g_last; g0 += kAmxGroups) {
-          const int g = static_cast<int>(std::min<int64_t>(kAmxGroups, g_last - g0));
-          fns[a - 1][g - 1](xb, xb_bytes, wp + g0 * group_elems, group_elems, K, bias ? bias + g0 * 16 : nullptr,
-                            yp + m0 * Np + g0 * 16, Np, rows);
-        }
-      }
+      amx_bf16_rows(xp, x.stride(0), chunk * kAmxChunk, std::min(M, (chunk + 1) * kAmxChunk), M,
+                    wp + g_first * K * 16, std::min<int64_t>(kAmxSpan, groups - g_first), K,
+                    bias ? bias + g_first * 16 : nullptr, yp + g_first * 16, Np, tail);
     }
     amx_release();
   });

@@ -28,7 +28,7 @@
 //   once per weight and call, is shared by all M rows: from 32 rows up this beats both the int16 kernel and
 //   dequantize + oneDNN, and matches oneDNN on a prepacked dense weight. Where the CPU has AMX-BF16 (Sapphire
 //   Rapids), the same bf16 values go through AMX tiles instead (amx_span_linear: each group dequantized into the
-//   packed dense weight's layout, multiplied by amx.h's amx_bf16_block, the dense model's own AMX block): the
+//   packed dense weight's layout, multiplied by amx.h's amx_bf16_rows, the dense model's own AMX GEMM): the
 //   dense model's prefill GEMMs run on AMX, and so must the kept weights' (a 1,500-token prefill of the default
 //   GGUF model took 2.3 s on the vdpbf16ps tiles against 0.5 s dense; on AMX 0.55 s).
 //   quant_linear_select_path() forces either, for the tests and benchmarks.
@@ -480,15 +480,9 @@ bool cpu_has_avx512_bf16() {
 
 constexpr int kTileOutputs = 2 * kGroup;  // two packed groups: two vectors of outputs
 constexpr int kTileRows = 12;             // rows per register block: 12 x 2 accumulators
-constexpr int kAmxRows = 32;              // rows per AMX block: two activation tiles
-constexpr int kAmxSpan = 8;               // groups per AMX work item
+std::atomic<bool> vdpbf16ps_forced{false};  // quant_linear_select_path("bf16_tiles"): no AMX for the tiles
 
-// quant_linear_select_path's choice for the tiles: -1 the best this CPU runs, 0 vdpbf16ps only, 1 AMX-BF16.
-std::atomic<int> tiles_path{-1};
-
-bool amx_tiles() {
-  return tiles_path.load(std::memory_order_relaxed) != 0 && amx_available(AmxUnit::kBf16);
-}
+bool amx_tiles() { return !vdpbf16ps_forced.load(std::memory_order_relaxed) && amx_available(AmxUnit::kBf16); }
 
 // Two vectors of 16 outputs' weights (float32) → bf16 pairs: lane i holds (lo_i, hi_i).
 __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) inline __m512i bf16_pairs(__m512 lo, __m512 hi,
@@ -583,48 +577,28 @@ std::array<TileFn, kTileRows + 1> tile_table(std::integer_sequence<int, Rs...>) 
   return {nullptr, &tile_bf16<Rs + 1>...};
 }
 
-// The AMX-BF16 blocks: a work item dequantizes a span of groups, each into its own [K/2][16] pairs (the packed
-// dense weight's layout, which amx_bf16_block reads), then multiplies every row with them, rows outer, so that
-// each output row is written kAmxSpan * 32 bytes at a time, as gemm_small_m.cpp's AMX GEMM writes it. The last
-// rows are read from a zeroed copy: a tile reads 16. y: [M, ld] bf16, ld = out_features, a multiple of 16.
+// The AMX-BF16 blocks: a work item dequantizes a span of kAmxSpan groups, each into the packed dense weight's
+// layout, then multiplies every row with them (amx.h's amx_bf16_rows, as gemm_small_m.cpp's AMX GEMM does from
+// the packed weight). y: [M, ld] bf16, ld = out_features, a multiple of 16.
 void amx_span_linear(const uint16_t* xp, int64_t x_stride, int64_t M, int64_t K, const uint8_t* wbase,
                      const uint16_t* mbase, int64_t groups, int64_t nb, bool q4, const float* bias, uint16_t* yp,
                      int64_t ld) {
-  using AmxFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, uint16_t*,
-                         int64_t, int);
-  static constexpr AmxFn fns[2][2] = {{&amx_bf16_block<1, 1, 32>, &amx_bf16_block<1, 2, 32>},
-                                      {&amx_bf16_block<2, 1, 32>, &amx_bf16_block<2, 2, 32>}};
-  const int64_t k2 = K / 2, group_elems = K * kGroup, group_bytes = nb * (q4 ? 4 : 8) * 64;
+  const int64_t k2 = K / 2, group_bytes = nb * (q4 ? 4 : 8) * 64;
   const int64_t spans = (groups + kAmxSpan - 1) / kAmxSpan;
   at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> pairs(kAmxSpan * k2 * kGroup);
     std::vector<uint16_t> tail;
-    const uint16_t* w = reinterpret_cast<const uint16_t*>(pairs.data());
     amx_configure();
     for (int64_t s = begin; s < end; ++s) {
-      const int64_t g_first = s * kAmxSpan, g_last = std::min(groups, g_first + kAmxSpan);
-      for (int64_t g = g_first; g < g_last; ++g) {
-        uint32_t* dst = pairs.data() + (g - g_first) * k2 * kGroup;
-        if (q4) dequantize_pairs<true>(wbase + g * group_bytes, mbase + g * nb * 2 * kGroup, nb, dst, kGroup);
-        else dequantize_pairs<false>(wbase + g * group_bytes, mbase + g * nb * 2 * kGroup, nb, dst, kGroup);
+      const int64_t g_first = s * kAmxSpan, span = std::min<int64_t>(kAmxSpan, groups - g_first);
+      for (int64_t g = 0; g < span; ++g) {
+        const uint8_t* wg = wbase + (g_first + g) * group_bytes;
+        const uint16_t* mg = mbase + (g_first + g) * nb * 2 * kGroup;
+        if (q4) dequantize_pairs<true>(wg, mg, nb, pairs.data() + g * k2 * kGroup, kGroup);
+        else dequantize_pairs<false>(wg, mg, nb, pairs.data() + g * k2 * kGroup, kGroup);
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, M - m0));
-        const uint16_t* xb = xp + m0 * x_stride;
-        int64_t xb_bytes = x_stride * 2;
-        if (rows % 16) {
-          tail.assign(static_cast<size_t>(kAmxRows) * K, 0);
-          for (int r = 0; r < rows; ++r) std::copy(xb + r * x_stride, xb + r * x_stride + K, tail.data() + r * K);
-          xb = tail.data();
-          xb_bytes = K * 2;
-        }
-        const int a = rows > 16 ? 2 : 1;
-        for (int64_t g0 = g_first; g0 < g_last; g0 += 2) {
-          const int g = static_cast<int>(std::min<int64_t>(2, g_last - g0));
-          fns[a - 1][g - 1](xb, xb_bytes, w + (g0 - g_first) * group_elems, group_elems, K, bias + g0 * kGroup,
-                            yp + m0 * ld + g0 * kGroup, ld, rows);
-        }
-      }
+      amx_bf16_rows(xp, x_stride, 0, M, M, reinterpret_cast<const uint16_t*>(pairs.data()), span, K,
+                    bias + g_first * kGroup, yp + g_first * kGroup, ld, tail);
     }
     amx_release();
   });
@@ -750,8 +724,8 @@ std::string quant_linear_path() {
   return path;
 }
 
-// The tiles' path: amx_bf16 (where the CPU runs it), bf16_tiles (vdpbf16ps alone) or auto; returns the previous
-// one (quant_linear_path's name for it).
+// The tiles' path: amx_bf16 (where the CPU runs it: what auto takes there), bf16_tiles (vdpbf16ps alone) or auto;
+// returns the previous one (quant_linear_path's name for it).
 std::string quant_linear_select_path(const std::string& path) {
   const std::string previous = quant_linear_path();
   TORCH_CHECK(path == "auto" || path == "bf16_tiles" || path == "amx_bf16",
@@ -760,7 +734,7 @@ std::string quant_linear_select_path(const std::string& path) {
   TORCH_CHECK(path != "amx_bf16" || (cpu_has_avx512_bf16() && amx_available(AmxUnit::kBf16)),
               "quant_linear_select_path: this CPU does not run amx_bf16");
   TORCH_CHECK(path != "bf16_tiles" || cpu_has_avx512_bf16(), "quant_linear_select_path: this CPU has no AVX512-BF16");
-  tiles_path.store(path == "auto" ? -1 : path == "bf16_tiles" ? 0 : 1, std::memory_order_relaxed);
+  vdpbf16ps_forced.store(path == "bf16_tiles", std::memory_order_relaxed);
 #else
   TORCH_CHECK(path == "auto", "quant_linear_select_path: this build does not run ", path);
 #endif
