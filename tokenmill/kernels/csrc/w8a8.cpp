@@ -28,7 +28,11 @@
 //   int16 saturation, which u8 activations up to 255 against weights down to -128 would reach (2 * 255 * 128).
 //   Instead, as llama.cpp does, it multiplies |xq| (u8, <= 127) by sign(xq) wq (vpsignb, s8: |wq| <= 127 because
 //   -128 is never produced): a pair sums to at most 2 * 127 * 127 = 32258 < 32767, so it cannot saturate (the
-//   tests run it at that bound); vpmaddwd by ones then widens pairs into int32.
+//   tests run it at that bound); vpmaddwd by ones then widens pairs into int32. Each |xq| serves a group's two
+//   halves of 8 outputs. Five vector ops per 32 multiply-adds, against one 8-wide FMA per 8 in float32: on an
+//   AVX2-only Zen 3 the register block alone does 1.2-1.3x the multiply-adds per second of a float32 FMA block,
+//   and a 512-row linear runs at 0.9-1.0x oneDNN's float32 GEMM (benchmarks/results/w8a8.md): this path's gain
+//   is decode batches (a byte per weight), not prefill.
 // - AMX-INT8 (Sapphire Rapids and later, in the AVX-512 build): tdpbssd multiplies signed by signed bytes, so the
 //   activations stay int8 and need no compensation. A tile holds 16 rows x 64 bytes: the A tile is 16 tokens x one
 //   64-K block, and the B tile is exactly one group's block in the layout below (16 rows of 16 outputs x 4 K,
@@ -42,10 +46,10 @@
 // Layout: qweight [N/16][K/4][16][4] int8 (N padded to 16 outputs, K to a multiple of 64 with zero weights): one
 // 64-byte vector holds 16 outputs x 4 consecutive K, the 32-bit lane vpdpbusd takes. meta float32
 // [N/16][1 + K/64][16]: per group of 16 outputs sw, then per K block 128 sum_{k in b} wq (exact integers).
-// Register blocking: 6 rows x 32 outputs on AVX-512 (12 int32 and 12 float accumulators), 4 rows x 8 outputs on
-// AVX2 (16 registers), 16 rows x 16 outputs on AMX (a tile; 16 float accumulators); the weight tile stays in L1/L2
-// while every row block of the chunk streams past it. On AMX a work item spans 8 groups, rows outer, so that each
-// output row is written 512 bytes at a time: one 64-byte piece per row, 12 KB apart, ran 2-4x slower.
+// Register blocking: 6 rows x 32 outputs on AVX-512 (12 int32 and 12 float accumulators), 2 rows x 16 outputs on AVX2
+// (4 int32 and 4 float accumulators), 16 rows x 16 outputs on AMX (a tile; 16 float accumulators); the weight tile
+// stays in L1/L2 while every row block of the chunk streams past it. On AMX a work item spans 8 groups, rows outer, so
+// that each output row is written 512 bytes at a time: one 64-byte piece per row, 12 KB apart, ran 2-4x slower.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
@@ -75,7 +79,7 @@ constexpr int kBlock = 64;          // K per activation scale
 constexpr int kSteps = kBlock / 4;  // 4-K steps per block
 constexpr int kRowsVnni = 6;        // rows per register block on AVX-512 (6 x 2 int32 + 6 x 2 float)
 constexpr int kGroupsVnni = 2;      // groups per register block on AVX-512: 32 outputs
-constexpr int kRowsAvx2 = 4;        // AVX2: 4 rows x 8 outputs (4 int32 + 4 float accumulators)
+constexpr int kRowsAvx2 = 2;        // AVX2: 2 rows x 16 outputs (4 int32 + 4 float accumulators)
 constexpr int kRowsAmx = 16;        // AMX: a tile's 16 rows x one group of 16 outputs (16 float accumulators)
 constexpr int kRowsMax = kRowsAmx;  // the buffers' rows; activations are padded to a multiple of it
 constexpr int64_t kRowChunk = 240;  // rows per parallel work item: a chunk of activations stays in L2
@@ -252,39 +256,44 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const uint8_t* x, int64
                                                           void* out) {
   const int64_t nb = kp / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {  // the group's two halves of 8 outputs
-    __m256 facc[R];
-    for (int r = 0; r < R; ++r) facc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-      const uint8_t* xb0 = x + b * kBlock;
-      const int8_t* wb = w + b * kSteps * 64 + h * 32;
-      for (int k = 0; k < kSteps; ++k) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * 64));
-        for (int r = 0; r < R; ++r) {
-          const __m256i xb = _mm256_set1_epi32(load32(xb0 + r * kp + 4 * k));
-          // |xq| * sign(xq) wq: pairs of at most 2 * 127 * 127, no int16 saturation (see the top of the file)
-          const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(wv, xb));
-          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));
-        }
-      }
-      if constexpr (Raw) {
-        int32_t* o = static_cast<int32_t*>(out);
-        for (int r = 0; r < R; ++r)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (r * nb + b) * kGroup + h * 8), acc[r]);
-      } else {
-        for (int r = 0; r < R; ++r)
-          facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(xs[r * nb + b]), facc[r]);
+  __m256 facc[R][2];
+  for (int r = 0; r < R; ++r) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const uint8_t* xb0 = x + b * kBlock;
+    const int8_t* wb = w + b * kSteps * 64;
+    for (int k = 0; k < kSteps; ++k) {
+      // the group's two halves of 8 outputs x 4 K, |xq| shared by both: |xq| * sign(xq) wq, pairs of at most
+      // 2 * 128 * 127, no int16 saturation (see the top of the file)
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * 64 + 32));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(load32(xb0 + r * kp + 4 * k)), ax = _mm256_abs_epi8(xb);
+        const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
+        const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
       }
     }
-    if constexpr (!Raw) {
-      float* o = static_cast<float*>(out);
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + r * kGroup + h * 8, facc[r]);
+    if constexpr (Raw) {
+      int32_t* o = static_cast<int32_t*>(out);
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (r * nb + b) * kGroup + h * 8), acc[r][h]);
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_set1_ps(xs[r * nb + b]);
+        for (int h = 0; h < 2; ++h) facc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), s, facc[r][h]);
+      }
     }
   }
+  if constexpr (!Raw) {
+    float* o = static_cast<float*>(out);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(o + r * kGroup + h * 8, facc[r][h]);
+  }
 }
-
 
 #if defined(__AVX512F__)
 // 16 rows (the activations are padded to them) x one group, all K. Raw: out int32 [16][K/64][16]; else out
