@@ -53,6 +53,25 @@ def test_the_bound_is_the_largest_chunk_within_the_target():
     assert fitted(target_s=0.001).prefill_budget(8, 8000, 300, 512) == MIN_CHUNK
 
 
+def test_before_the_fit_the_steps_seen_so_far_shrink_the_chunk():
+    """Before the fit, the chunk beside decodes is UNFITTED_CHUNK at most, and what the latest prefill-only step's
+    cost per token says fits in the target beside the latest decode-only step: on a slow CPU, less."""
+    for target_s in (None, 0.080):
+        model = StepCostModel(target_s)
+        model.record(128, 128 * 129 // 2, 0, 0, 0.256)  # a prefill alone: 2 ms a token
+        assert model.prefill_budget(8, 8000, 300, 512) == UNFITTED_CHUNK  # no decode step seen yet
+        model.record(0, 0, 8, 8000, 0.040)  # decodes alone: 40 ms
+        assert model.coef is None
+        # the derived target is twice the decode step: 40 ms left, 20 tokens, MIN_CHUNK; the set one leaves 40 too
+        assert model.prefill_budget(8, 8000, 300, 512) == MIN_CHUNK
+        # a fast machine's steps (0.1 ms a token, 4 ms decodes): the cap, not the estimate
+        model.record(128, 128 * 129 // 2, 0, 0, 0.0128)
+        model.record(0, 0, 8, 8000, 0.004)
+        assert model.prefill_budget(8, 8000, 300, 512) == UNFITTED_CHUNK
+        assert model.prefill_budget(8, 8000, 300, 32) == 32
+        assert model.prefill_budget(0, 0, 300, 512) == 512
+
+
 def test_the_derived_target_is_twice_the_decodes_alone():
     model = fitted(target_s=None)
     rows, dctx = 15, 15 * 1024

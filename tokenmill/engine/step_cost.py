@@ -12,7 +12,10 @@ where a pair is one query token against one key (attention's work grows with the
 Until FIRST_FIT steps of both kinds were seen, or when the fit is degenerate, it predicts nothing, and a step
 with decodes carries at most UNFITTED_CHUNK prefill tokens: the full token budget there let the first minutes of
 a server run 500-token chunks beside running streams (mixed steps of 150-200 ms against 14 ms decode steps on a
-2-core Sapphire Rapids, c=8: ITL p99 7x its p50), and small chunks make the mixed steps the fit needs sooner."""
+2-core Sapphire Rapids, c=8: ITL p99 7x its p50), and small chunks make the mixed steps the fit needs sooner.
+Within that cap, a rough bound from the steps seen so far (the seconds per token of the latest prefill-only step,
+the latest decode-only step) keeps the chunk within the target: on two AVX2 cores in float32 a 64-token chunk
+costs ~110 ms beside 43 ms decode steps."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,6 +38,10 @@ class StepCostModel:
         self._n = 0  # steps recorded, the ring's write position is n % WINDOW
         self._mixed = 0  # of them, steps with prefill tokens and decode rows both
         self.coef: np.ndarray | None = None
+        # before the fit: seconds per token of the latest prefill-only step (its fixed cost included, which
+        # errs towards smaller chunks) and the seconds of the latest decode-only step
+        self._token_s: float | None = None
+        self._decode_s: float | None = None
 
     DECODE_FACTOR = 2.0
     MIN_TARGET_S = 0.030
@@ -60,6 +67,10 @@ class StepCostModel:
         self._y[i] = seconds
         self._n += 1
         self._mixed += prefill_tokens > 0 and decode_rows > 0
+        if decode_rows == 0 and prefill_tokens >= MIN_CHUNK:
+            self._token_s = seconds / prefill_tokens
+        elif prefill_tokens == 0 and decode_rows > 0:
+            self._decode_s = seconds
         if self._n >= FIRST_FIT and self._mixed >= 8 and self._n % REFIT == 0:
             self._fit()
 
@@ -78,12 +89,13 @@ class StepCostModel:
                        pending: int = 1) -> int:
         """The most prefill tokens (a multiple of MIN_CHUNK, at least MIN_CHUNK, at most budget) that a step with
         these decodes can carry within the target, for a chunk starting at `context` tokens already computed;
-        budget when no decode runs, UNFITTED_CHUNK when there is no fit yet. pending: the requests whose prompts
-        are not yet computed (waiting, or part-way), which the derived target weighs (see derived_target)."""
+        budget when no decode runs; when there is no fit yet, at most UNFITTED_CHUNK, and less where the steps
+        seen so far say that more would pass the target (see the top of the file). pending: the requests whose
+        prompts are not yet computed (waiting, or part-way), which the derived target weighs (see derived_target)."""
         if decode_rows == 0:
             return budget
         if self.coef is None:
-            return min(budget, UNFITTED_CHUNK)
+            return min(budget, self._unfitted_chunk(decode_rows, pending))
         target = self.target_s if self.target_s is not None else self.derived_target(
             self.predict(0, 0, decode_rows, decode_context), decode_rows, pending)
         lo, hi = 0, budget // MIN_CHUNK  # in chunks of MIN_CHUNK: the largest k whose cost fits
@@ -96,3 +108,13 @@ class StepCostModel:
             else:
                 hi = k - 1
         return min(budget, max(MIN_CHUNK, lo * MIN_CHUNK))
+
+    def _unfitted_chunk(self, decode_rows: int, pending: int) -> int:
+        """The chunk before the fit: UNFITTED_CHUNK, or the tokens that the latest prefill-only step's cost per
+        token says fit in the target beside the latest decode-only step, in MIN_CHUNKs, when both were seen."""
+        if self._token_s is None or self._decode_s is None:
+            return UNFITTED_CHUNK
+        target = self.target_s if self.target_s is not None else self.derived_target(
+            self._decode_s, decode_rows, pending)
+        tokens = int(max(0.0, target - self._decode_s) / self._token_s) // MIN_CHUNK * MIN_CHUNK
+        return max(MIN_CHUNK, min(UNFITTED_CHUNK, tokens))
