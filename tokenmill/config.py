@@ -343,8 +343,9 @@ class EngineConfig(CliConfig):
     max_step_latency_ms: float | None = field(default=None, metadata={
         "help": "while decodes run, prefill chunks get only the tokens that keep a step within this many ms, as "
                 "predicted by a step-cost model fitted from the engine's own steps (Sarathi-Serve's stall-free "
-                "batching). Default: twice what the step's decodes alone cost, at least 30 ms (at most 64 prefill "
-                "tokens beside decodes until the model has fitted); with --max-num-batched-tokens set and this "
+                "batching). Default: twice what the step's decodes alone cost, at least 30 ms (until the model has "
+                "fitted, at most 64 prefill tokens beside decodes, fewer where the latest steps say 64 would pass "
+                "the target); with --max-num-batched-tokens set and this "
                 "not, the token budget alone decides (vLLM's rule); 0: off"})
     enable_chunked_prefill: bool | None = field(default=None, metadata={
         "help": "always on (a prompt longer than the step's token budget is prefilled in chunks); "
