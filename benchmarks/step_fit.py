@@ -67,6 +67,14 @@ def main() -> None:
     result = {"dtype": args.dtype, "requests": args.requests, "concurrency": args.concurrency,
               "steps": len(steps), "seconds": elapsed}
     fitted = [s for s in steps if s[3] is not None]
+    unfitted = [s[2] for s in steps if s[3] is None and s[1]]  # steps with decodes before the fit
+    if unfitted:
+        result["with_decodes_before_the_fit"] = {"steps": len(unfitted),
+                                                 "ms_p50": float(np.percentile(unfitted, 50) * 1e3),
+                                                 "ms_p99": float(np.percentile(unfitted, 99) * 1e3)}
+        before = result["with_decodes_before_the_fit"]
+        print(f"before the fit: {len(unfitted)} steps with decodes, {before['ms_p50']:.1f} / {before['ms_p99']:.1f} ms "
+              f"p50 / p99")
     for name, rows in (("mixed", [s for s in fitted if s[0] and s[1]]),
                        ("decode_only", [s for s in fitted if not s[0] and s[1]])):
         if not rows:

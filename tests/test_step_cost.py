@@ -55,7 +55,8 @@ def test_the_bound_is_the_largest_chunk_within_the_target():
 
 def test_before_the_fit_the_steps_seen_so_far_shrink_the_chunk():
     """Before the fit, the chunk beside decodes is UNFITTED_CHUNK at most, and what the latest prefill-only step's
-    cost per token says fits in the target beside the latest decode-only step: on a slow CPU, less."""
+    cost per token says fits in the target beside the decodes' latest cost (a decode-only step's, or a mixed
+    step's less its prefill): on a slow CPU, less."""
     for target_s in (None, 0.080):
         model = StepCostModel(target_s)
         model.record(128, 128 * 129 // 2, 0, 0, 0.256)  # a prefill alone: 2 ms a token
@@ -70,6 +71,13 @@ def test_before_the_fit_the_steps_seen_so_far_shrink_the_chunk():
         assert model.prefill_budget(8, 8000, 300, 512) == UNFITTED_CHUNK
         assert model.prefill_budget(8, 8000, 300, 32) == 32
         assert model.prefill_budget(0, 0, 300, 512) == 512
+    # a closed loop: no decode-only step before the fit, the decodes' cost read off a mixed step (64 tokens at
+    # 2 ms and 40 ms of decodes): 20 tokens fit beside them, MIN_CHUNK
+    model = StepCostModel(None)
+    model.record(128, 128 * 129 // 2, 0, 0, 0.256)
+    assert model.prefill_budget(8, 8000, 300, 512) == UNFITTED_CHUNK
+    model.record(64, 64 * 364, 8, 8000, 0.168)
+    assert model.prefill_budget(8, 8000, 300, 512) == MIN_CHUNK
 
 
 def test_the_derived_target_is_twice_the_decodes_alone():

@@ -13,9 +13,11 @@ Until FIRST_FIT steps of both kinds were seen, or when the fit is degenerate, it
 with decodes carries at most UNFITTED_CHUNK prefill tokens: the full token budget there let the first minutes of
 a server run 500-token chunks beside running streams (mixed steps of 150-200 ms against 14 ms decode steps on a
 2-core Sapphire Rapids, c=8: ITL p99 7x its p50), and small chunks make the mixed steps the fit needs sooner.
-Within that cap, a rough bound from the steps seen so far (the seconds per token of the latest prefill-only step,
-the latest decode-only step) keeps the chunk within the target: on two AVX2 cores in float32 a 64-token chunk
-costs ~110 ms beside 43 ms decode steps."""
+Within that cap, a rough bound from the steps seen so far (the seconds per token of the latest prefill-only step;
+the latest decode-only step, or the latest mixed step less its prefill at that rate) keeps the chunk within the
+target: on two AVX2 cores in float32 a 64-token chunk costs ~110 ms beside 43 ms decode steps, and at c=8 with
+prompts always waiting, no step runs decodes alone before the fit (benchmarks/step_fit.py: 127 steps of 120-300 ms
+with the cap alone)."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,7 +41,7 @@ class StepCostModel:
         self._mixed = 0  # of them, steps with prefill tokens and decode rows both
         self.coef: np.ndarray | None = None
         # before the fit: seconds per token of the latest prefill-only step (its fixed cost included, which
-        # errs towards smaller chunks) and the seconds of the latest decode-only step
+        # errs towards smaller chunks) and the decodes' seconds in the latest step with decodes
         self._token_s: float | None = None
         self._decode_s: float | None = None
 
@@ -71,6 +73,10 @@ class StepCostModel:
             self._token_s = seconds / prefill_tokens
         elif prefill_tokens == 0 and decode_rows > 0:
             self._decode_s = seconds
+        elif decode_rows > 0 and self._token_s is not None:
+            # a mixed step less its prefill's estimated cost: with prompts always waiting (a closed loop), no step
+            # runs decodes alone before the fit
+            self._decode_s = max(0.0, seconds - prefill_tokens * self._token_s)
         if self._n >= FIRST_FIT and self._mixed >= 8 and self._n % REFIT == 0:
             self._fit()
 
@@ -111,7 +117,7 @@ class StepCostModel:
 
     def _unfitted_chunk(self, decode_rows: int, pending: int) -> int:
         """The chunk before the fit: UNFITTED_CHUNK, or the tokens that the latest prefill-only step's cost per
-        token says fit in the target beside the latest decode-only step, in MIN_CHUNKs, when both were seen."""
+        token says fit in the target beside the decodes' latest cost, in MIN_CHUNKs, when both are known."""
         if self._token_s is None or self._decode_s is None:
             return UNFITTED_CHUNK
         target = self.target_s if self.target_s is not None else self.derived_target(
