@@ -1,10 +1,11 @@
 """The step bound's predictions against the steps it bounds, through the engine alone (no HTTP server, no client).
 
-stall_free.sh measures ITL as a client sees it; this runs the same mixed workload (one request in 8 a long prompt
-of --long-len tokens with 32 out, the rest --short-len in / 128 out) closed loop at --concurrency, straight into
-the engine (EngineCore.add_request / step), and records for each step what the step-cost model predicted (once
-fitted) and what the step took. It tells the model's errors apart from what the serving stack adds: if the steps
-here stay within the target while a served run's ITL p99 does not, the difference is outside the engine's steps.
+stall_free.sh measures ITL as a client sees it; this runs the same mixed workload (`tokenmill bench serve`'s random
+dataset with --long-prompt-share 0.125: one request in 8 a long prompt of --long-len tokens with 32 out, the rest
+--short-len in / 128 out) closed loop at --concurrency, straight into the engine (add_request / step), and records
+for each step what the step-cost model predicted (once fitted) and what the step took. It tells the model's errors
+apart from what the serving stack adds: if the steps here stay within the target while a served run's ITL p99 does
+not, the difference is outside the engine's steps.
 
     .venv/bin/python benchmarks/step_fit.py [--dtype float32] [--requests 64] [--concurrency 8] [--json OUT]
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 
 import numpy as np
@@ -31,6 +31,7 @@ def main() -> None:
 
     import tokenmill.engine.step_cost as step_cost
     from tokenmill import LLM, SamplingParams
+    from tokenmill.bench.datasets import WordPool, random_sessions
     steps = []  # (prefill tokens, decode rows, seconds, predicted seconds or None, target or None)
     record = step_cost.StepCostModel.record
 
@@ -39,20 +40,20 @@ def main() -> None:
         predicted = self.predict(prefill_tokens, prefill_pairs, decode_rows, decode_context) if fitted else None
         target = None
         if fitted and decode_rows:
-            target = self.target_s if self.target_s is not None else self.derived_target(
-                self.predict(0, 0, decode_rows, decode_context), decode_rows, 1)
+            target = self.target(self.predict(0, 0, decode_rows, decode_context), decode_rows, 1)
         steps.append((prefill_tokens, decode_rows, seconds, predicted, target))
         return record(self, prefill_tokens, prefill_pairs, decode_rows, decode_context, seconds)
     step_cost.StepCostModel.record = recording
 
     llm = LLM(dtype=args.dtype, max_model_len=2048, kv_cache_memory="256MiB")
-    engine, rng = llm.engine, random.Random(0)
+    engine, tokenizer = llm.engine, llm.tokenizer
+    sessions = random_sessions(WordPool(tokenizer), args.requests, args.short_len, 0, 128, 0, seed=0,
+                               long_share=0.125, long_input_len=args.long_len, long_output_len=32)
     waiting = []
-    for i in range(args.requests):
-        long = i % 8 == 7
-        prompt = [rng.randrange(1000, 40000) for _ in range(args.long_len if long else args.short_len)]
-        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=32 if long else 128)
-        waiting.append((f"r{i}", prompt, params))
+    for i, session in enumerate(sessions):
+        turn = session.turns[0]
+        prompt = tokenizer.encode(turn.text, add_special_tokens=False)
+        waiting.append((f"r{i}", prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=turn.output_len)))
     running, start = set(), time.perf_counter()
     while waiting or running:
         while waiting and len(running) < args.concurrency:

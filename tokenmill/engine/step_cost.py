@@ -58,6 +58,11 @@ class StepCostModel:
         (a closed loop of c=8) the factor is unchanged, and so is the ITL it keeps."""
         return max(self.DECODE_FACTOR * decode_only * max(1.0, pending / decode_rows), self.MIN_TARGET_S)
 
+    def target(self, decode_s: float, decode_rows: int, pending: int) -> float:
+        """The mixed step's target: the one set (--max-step-latency-ms), else derived from what the decodes
+        alone cost (decode_s: predicted by the fit, or before it estimated from the latest steps)."""
+        return self.target_s if self.target_s is not None else self.derived_target(decode_s, decode_rows, pending)
+
     @staticmethod
     def features(prefill_tokens: int, prefill_pairs: int, decode_rows: int, decode_context: int) -> np.ndarray:
         return np.array([1.0, prefill_tokens, decode_rows, prefill_pairs / 1024.0, decode_context / 1024.0])
@@ -101,26 +106,19 @@ class StepCostModel:
         if decode_rows == 0:
             return budget
         if self.coef is None:
-            return min(budget, self._unfitted_chunk(decode_rows, pending))
-        target = self.target_s if self.target_s is not None else self.derived_target(
-            self.predict(0, 0, decode_rows, decode_context), decode_rows, pending)
-        lo, hi = 0, budget // MIN_CHUNK  # in chunks of MIN_CHUNK: the largest k whose cost fits
-        while lo < hi:
-            k = (lo + hi + 1) // 2
-            tokens = k * MIN_CHUNK
-            pairs = tokens * context + tokens * (tokens + 1) // 2
-            if self.predict(tokens, pairs, decode_rows, decode_context) <= target:
-                lo = k
-            else:
-                hi = k - 1
-        return min(budget, max(MIN_CHUNK, lo * MIN_CHUNK))
-
-    def _unfitted_chunk(self, decode_rows: int, pending: int) -> int:
-        """The chunk before the fit: UNFITTED_CHUNK, or the tokens that the latest prefill-only step's cost per
-        token says fit in the target beside the decodes' latest cost, in MIN_CHUNKs, when both are known."""
-        if self._token_s is None or self._decode_s is None:
-            return UNFITTED_CHUNK
-        target = self.target_s if self.target_s is not None else self.derived_target(
-            self._decode_s, decode_rows, pending)
-        tokens = int(max(0.0, target - self._decode_s) / self._token_s) // MIN_CHUNK * MIN_CHUNK
-        return max(MIN_CHUNK, min(UNFITTED_CHUNK, tokens))
+            if self._token_s is None or self._decode_s is None:
+                return min(budget, UNFITTED_CHUNK)
+            left = max(0.0, self.target(self._decode_s, decode_rows, pending) - self._decode_s)
+            chunks = min(UNFITTED_CHUNK, int(left / self._token_s)) // MIN_CHUNK
+        else:
+            target = self.target(self.predict(0, 0, decode_rows, decode_context), decode_rows, pending)
+            chunks, hi = 0, budget // MIN_CHUNK  # in chunks of MIN_CHUNK: the largest number whose cost fits
+            while chunks < hi:
+                k = (chunks + hi + 1) // 2
+                tokens = k * MIN_CHUNK
+                pairs = tokens * context + tokens * (tokens + 1) // 2
+                if self.predict(tokens, pairs, decode_rows, decode_context) <= target:
+                    chunks = k
+                else:
+                    hi = k - 1
+        return min(budget, max(MIN_CHUNK, chunks * MIN_CHUNK))
