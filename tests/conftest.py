@@ -20,10 +20,8 @@ def default_gguf() -> str:
 @pytest.fixture(scope="session")
 def hf_reference(default_gguf):
     """HF transformers' own GGUF loader and Llama implementation, in float32: the correctness reference."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_gguf),
-                                                 gguf_file=os.path.basename(default_gguf), dtype=torch.float32)
-    return model.eval()
+    from helpers import hf_from_gguf
+    return hf_from_gguf(default_gguf)
 
 
 @pytest.fixture

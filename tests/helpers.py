@@ -294,6 +294,31 @@ def greedy_generate(llm, prompts: list[list[int]], max_tokens: int = 24):
 
 # ---------------------------------------------------------------- references
 
+def hf_from_gguf(path: str):
+    """HF transformers' causal LM on a GGUF file, in float32 and eval mode: its own GGUF loader and model code, the
+    correctness reference. HF parses the file's metadata twice (for the config, then for the weights) with the
+    gguf package's reader, which costs more than the rest of the load: 14 of the default model's 28 s on two AVX2
+    cores, and ~15 s each time for Gemma 3's 262k-token vocabulary. HF is handed the one reader the engine's loader
+    shares (tokenmill/gguf_file.py): the same package's parse of the same bytes, so what HF makes of them stays its
+    own."""
+    from unittest import mock
+
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.gguf_file import gguf_reader
+    reader = gguf_reader(path)
+
+    def shared(other, *args, **kwargs):
+        assert os.path.samefile(other, path), other
+        return reader
+    with mock.patch.object(gguf, "GGUFReader", shared):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32)
+    return model.eval()
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF greedy continuation, forced to max_new_tokens (ignore EOS), one prompt at a time (no padding). On one torch
     thread, as single_threaded_llm explains: on a loaded 2-core machine, 8 continuations of 64 tokens on the

@@ -12,9 +12,8 @@ import os
 import subprocess
 
 import pytest
-import torch
 
-from helpers import TEXT, hf_greedy, llm_sharing_weights
+from helpers import TEXT, hf_from_gguf, hf_greedy, llm_sharing_weights
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import runnable_isas
 
@@ -38,11 +37,9 @@ def gemma3_gguf() -> str:
 
 @pytest.fixture(scope="session")
 def gemma3_hf(gemma3_gguf):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gemma3_gguf), dtype=torch.float32,
-                                                 gguf_file=os.path.basename(gemma3_gguf))
+    model = hf_from_gguf(gemma3_gguf)
     assert model.config.sliding_window == WINDOW and model.config.num_hidden_layers == 18
-    return model.eval()
+    return model
 
 
 @pytest.fixture(scope="module")

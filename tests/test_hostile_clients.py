@@ -95,8 +95,12 @@ async def test_a_stream_left_unread_is_aborted():
 # ---- against a real server ----
 
 @pytest.fixture(scope="module")
-def hostile_server():
-    s = RemoteServer(["--api-key", API_KEY, "--stream-stall-timeout", "3", "--kv-cache-memory", "1GiB"])
+def hostile_server(tiny_llama_dir):
+    """The tiny random model under the default model's name: what is tested is the server, and its steps take
+    milliseconds, so that fifty streams reach the point where their buffers fill within a second or two. Its
+    context (8,192) outlasts any stream here: none ends before the stall timeout does it."""
+    s = RemoteServer(["--api-key", API_KEY, "--stream-stall-timeout", "3", "--kv-cache-memory", "1GiB",
+                      "--served-model-name", MODEL, "--max-model-len", "8192"], model=tiny_llama_dir)
     yield s
     s.stop()
 
@@ -146,7 +150,7 @@ def test_fifty_streams_never_read(hostile_server):
     idle_rss = _api_rss(s)
     # 20 logprobs: ~700 bytes an event, so that the server's buffers for the connection (64 KiB in the kernel,
     # 64 KiB in the transport) fill within ~200 tokens
-    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True,
                        "stream": True, "logprobs": 20}).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body

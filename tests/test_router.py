@@ -575,7 +575,9 @@ def test_admission_queue_rejects_when_full_or_too_slow_and_sigterm_drains(replic
     router exits 0."""
     router = RouterProcess([*_router_args(replicas_server, "round_robin"), "--max-concurrent-requests", "1",
                             "--max-queued-requests", "1", "--queue-timeout", "1"])
-    path, body = _long_request("completions", 1500)
+    # ~3 s of the stream must outlast the queue's one-second timeout and the SIGTERM; it then runs to its end, so
+    # its length is the test's cost: 600 tokens is ~6 s on the fastest CPUs here, ~30 s on two AVX2 cores
+    path, body = _long_request("completions", 600)
     chat = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     try:
         with ThreadPoolExecutor(3) as pool, httpx.stream("POST", router.url + path, json=body, timeout=120) as long:
@@ -596,7 +598,7 @@ def test_admission_queue_rejects_when_full_or_too_slow_and_sigterm_drains(replic
             assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
             reading.result()
         events = _events(b"".join(received))
-        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 1500
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 600
         assert router.proc.wait(30) == 0
     finally:
         router.stop()
@@ -814,7 +816,7 @@ def test_a_replica_killed_mid_stream_the_stream_resumes_and_later_requests_are_r
     victim, survivor = replicas_server
     args = [*_router_args(replicas_server, "round_robin"), "--health-check-interval", "300"]
     router, other_router = RouterProcess(args), RouterProcess(args)
-    path, body = _long_request("chat", 320)
+    path, body = _long_request("chat", 160)
     reference = _events(b"".join(_raw_events(survivor.url + path, json.dumps(body).encode())))
     try:
         received = b""

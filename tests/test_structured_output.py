@@ -53,18 +53,20 @@ def valid_person(text: str) -> bool:
 
 
 def test_json_schema_always_validates_and_free_text_does_not(llm):
+    """40 sampled generations under the schema all validate; 20 without it, from the same prompt and seeds,
+    fail measurably (fewer than 90% valid)."""
     prompt = chat_prompt(llm, "Give a person as JSON with name, age, role, address (city, zip) and skills.")
     constrained = [SamplingParams(temperature=0.8, max_tokens=160, seed=i,
-                                  structured_outputs=StructuredOutputsParams(json=PERSON)) for i in range(100)]
-    free = [SamplingParams(temperature=0.8, max_tokens=160, seed=i) for i in range(50)]
-    outs = llm.generate([prompt] * 150, constrained + free, use_tqdm=False)
-    good_constrained = sum(valid_person(o.outputs[0].text) for o in outs[:100])
-    good_free = sum(valid_person(o.outputs[0].text) for o in outs[100:])
-    print(f"\nnested JSON schema at T=0.8: constrained {good_constrained}/100 valid, "
-          f"unconstrained {good_free}/50 valid")
-    assert good_constrained == 100, [o.outputs[0].text for o in outs[:100] if not valid_person(o.outputs[0].text)][:3]
-    assert all(o.outputs[0].finish_reason == "stop" for o in outs[:100])
-    assert good_free < 45  # the same prompts fail measurably without the constraint
+                                  structured_outputs=StructuredOutputsParams(json=PERSON)) for i in range(40)]
+    free = [SamplingParams(temperature=0.8, max_tokens=160, seed=i) for i in range(20)]
+    outs = llm.generate([prompt] * 60, constrained + free, use_tqdm=False)
+    good_constrained = sum(valid_person(o.outputs[0].text) for o in outs[:40])
+    good_free = sum(valid_person(o.outputs[0].text) for o in outs[40:])
+    print(f"\nnested JSON schema at T=0.8: constrained {good_constrained}/40 valid, "
+          f"unconstrained {good_free}/20 valid")
+    assert good_constrained == 40, [o.outputs[0].text for o in outs[:40] if not valid_person(o.outputs[0].text)][:3]
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs[:40])
+    assert good_free < 18  # the same prompts fail measurably without the constraint
 
 
 def test_regex_choice_and_ebnf_always_match(llm):
