@@ -155,8 +155,8 @@ class BlockLayout:
             # holds the GIL (~30 ms for a 2,000-token prompt of the default model in float32), and the tier's
             # worker runs below the step loop's priority (kv_offload.py), so the OS preempts it mid-join while the
             # step loop waits for the GIL. On one AVX2 core, beside a worker (at nice 10) writing such prompts
-            # without pause, a decode-sized loop of torch ops that takes 24 ms alone took up to 110 ms with the
-            # join, and at most 35 ms this way.
+            # without pause, a decode-sized loop of torch ops that takes 24-30 ms alone took up to 84-100 ms with
+            # the join, and at most 39-41 ms this way (benchmarks/kv_write_contention.py, pd-disagg.md).
             rows = np.empty((n, self.block_bytes), dtype=np.uint8)
             for row, payload in zip(rows, payloads):
                 row[:] = np.frombuffer(payload, dtype=np.uint8)
