@@ -42,12 +42,10 @@ def pack(layout_key: bytes, block_hash: bytes, payload) -> bytes:
 def unpack(entry: bytearray | bytes | memoryview | None, layout_key: bytes,
            block_hash: bytes) -> tuple[memoryview | None, str]:
     """(payload, "") for a good entry, else (None, why): missing, short, magic, layout, hash, length, checksum.
-    The payload is a view of the entry (bytes are first copied into a bytearray, so that torch reads it without
-    a copy; a memoryview, a received frame's, is taken as it is: BlockLayout.write copies it once)."""
+    The payload is a read-only view of the entry, never a copy: BlockLayout.write copies it once, into the array
+    it scatters into the pool."""
     if entry is None:
         return None, "missing"
-    if isinstance(entry, bytes):
-        entry = bytearray(entry)
     if len(entry) < HEADER_SIZE:
         return None, "short"
     magic, layout, key, length, digest = _HEADER.unpack_from(entry)
@@ -150,16 +148,16 @@ class BlockLayout:
         if not n:
             return
         assert all(len(p) == self.block_bytes for p in payloads)
+        # Block by block into one array, not bytearray().join: a join copies every block in one call that holds
+        # the GIL (~30 ms for a 2,000-token prompt of the default model in float32), and the tier's worker runs
+        # below the step loop's priority (kv_offload.py), so the OS preempts it mid-join while the step loop waits
+        # for the GIL. On one AVX2 core, beside a worker (at nice 10) writing such prompts without pause, a
+        # decode-sized loop of torch ops that takes 24-30 ms alone took up to 84-100 ms with the join, and at most
+        # 39-41 ms this way (benchmarks/kv_write_contention.py, pd-disagg.md).
+        rows = np.empty((n, self.block_bytes), dtype=np.uint8)
+        for row, payload in zip(rows, payloads):
+            row[:] = np.frombuffer(payload, dtype=np.uint8)
         if self._host is not None:
-            # Block by block into one array, not bytearray().join: a join copies every block in one call that
-            # holds the GIL (~30 ms for a 2,000-token prompt of the default model in float32), and the tier's
-            # worker runs below the step loop's priority (kv_offload.py), so the OS preempts it mid-join while the
-            # step loop waits for the GIL. On one AVX2 core, beside a worker (at nice 10) writing such prompts
-            # without pause, a decode-sized loop of torch ops that takes 24-30 ms alone took up to 84-100 ms with
-            # the join, and at most 39-41 ms this way (benchmarks/kv_write_contention.py, pd-disagg.md).
-            rows = np.empty((n, self.block_bytes), dtype=np.uint8)
-            for row, payload in zip(rows, payloads):
-                row[:] = np.frombuffer(payload, dtype=np.uint8)
             ids = np.asarray(block_ids)
             offset = 0
             for k, v in self._host:
@@ -167,7 +165,7 @@ class BlockLayout:
                     cache[ids] = rows[:, offset:offset + cache.shape[1]]
                     offset += cache.shape[1]
             return
-        host = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8).view(n, self.block_bytes)
+        host = torch.from_numpy(rows)
         ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
         offset = 0
         for (k, v, _), (kb, vb) in zip(self.kv_caches, self.slice_bytes):
