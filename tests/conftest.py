@@ -143,6 +143,14 @@ def prompts(stream) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def hf_continuations(hf_reference, prompts) -> list[list[int]]:
+    """HF float32's greedy 64-token continuation of each of `prompts`, in one batch (helpers.hf_greedy_batch):
+    test_correctness compares with their first tokens, test_kv_cache_dtype scores all 64."""
+    from helpers import hf_greedy_batch
+    return hf_greedy_batch(hf_reference, prompts, 64)
+
+
+@pytest.fixture(scope="session")
 def prefix_prompts(stream) -> list[list[int]]:
     """A 200-token shared prefix with different suffixes, exact duplicates, and the first 12 blocks alone."""
     prefix = stream[-200:]

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -347,20 +348,41 @@ def hf_from_gguf(path: str):
     return model.eval()
 
 
+_HF_GREEDY: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], list[int]]]" = weakref.WeakKeyDictionary()
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF greedy continuation, forced to max_new_tokens (ignore EOS), one prompt at a time (no padding). On one torch
     thread, as single_threaded_llm explains: on a loaded 2-core machine, 8 continuations of 64 tokens on the
-    default model outran pytest's 900 s timeout with torch's 2-thread pool."""
+    default model outran pytest's 900 s timeout with torch's 2-thread pool. Kept per model and prompt for the
+    session: a shorter continuation is the longer one's start (each step the same computation), so the modules that
+    compare with the same prompts (correctness, KV dtypes) pay for HF's decoding once."""
+    return hf_greedy_batch(model, [prompt_ids], max_new_tokens, batched=False)[0]
+
+
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, batched: bool = True) -> list[list[int]]:
+    """hf_greedy for several prompts; those not already kept run in one left-padded generate call: HF decodes a
+    step in ~70 ms whatever the rows (its own overhead, on this 135M model), so 8 prompts x 64 tokens took 36 s one
+    at a time and 20 s in one batch, and gave the same 512 tokens. Padding costs prefill: for prompts of very
+    different lengths that are long (Gemma 3's window tests), batched=False."""
     import torch
+    kept = _HF_GREEDY.setdefault(model, {})
+    todo = list(dict.fromkeys(tuple(p) for p in prompts if len(kept.get(tuple(p), ())) < max_new_tokens))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False)
+            for group in ([todo] if batched else [[p] for p in todo]) if todo else []:
+                width = max(map(len, group))
+                ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in group])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                     min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                for p, row in zip(group, out[:, width:].tolist()):
+                    kept[p] = row
     finally:
         torch.set_num_threads(threads)
-    return out[0, len(prompt_ids):].tolist()
+    return [kept[tuple(p)][:max_new_tokens] for p in prompts]
 
 
 def teacher_forced_agreement(llm, prompts: list[list[int]], refs: list[list[int]],
@@ -369,15 +391,14 @@ def teacher_forced_agreement(llm, prompts: list[list[int]], refs: list[list[int]
     share of positions where the reference's token is also llm's top-1, and where it is llm's unique maximum
     (strict: a tie counts as disagreement).
 
-    decode_steps: each prompt is prefilled in one step, then its continuation fed one token per step, so that
-    every scored position is computed as decoding computes it: the tokens before it read from the KV cache as
-    stored, only its own K/V as just computed. In one prefill, a chunk's positions read each other's K/V as
-    computed (a one-byte KV cache is only written), so that measure barely sees a quantized cache."""
+    decode_steps: the continuations are decoded, every scored position computed as decoding computes it: the
+    tokens before it read from the KV cache as stored, only its own K/V as just computed. In one prefill, a
+    chunk's positions read each other's K/V as computed (a one-byte KV cache is only written), so that measure
+    barely sees a quantized cache."""
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
     if decode_steps:
-        logprobs = [_prompt_logprobs_by_decode_steps(llm, f"decode-steps-{i}", p, r, params)
-                    for i, (p, r) in enumerate(zip(prompts, refs))]
+        logprobs = _logprobs_decoding_the_references(llm, prompts, refs)
     else:
         logprobs = [o.prompt_logprobs for o in llm.generate([p + r for p, r in zip(prompts, refs)], params,
                                                             use_tqdm=False)]
@@ -407,26 +428,42 @@ def teacher_forced_gaps(llm, prompts: list[list[int]], refs: list[list[int]]) ->
             for o, p in zip(outs, prompts)]
 
 
-def _prompt_logprobs_by_decode_steps(llm, request_id: str, prompt: list[int], ref: list[int], params):
-    """The prompt logprobs of prompt + ref with the prompt in one step and ref one token per step (the engine
-    runs nothing else meanwhile): the scheduler's token budget set to the prompt, then to 1. On one torch thread,
-    as single_threaded_llm explains: one-token steps gain little from a second."""
-    import torch
-    engine, scheduler = llm.engine, llm.engine.scheduler
-    budget, threads = scheduler.max_num_batched_tokens, torch.get_num_threads()
-    engine.add_request(request_id, prompt + ref, params)
-    scheduler.max_num_batched_tokens = len(prompt)
-    torch.set_num_threads(1)
-    logprobs = []
+def _logprobs_decoding_the_references(llm, prompts: list[list[int]], refs: list[list[int]]) -> list[list]:
+    """Per prompt, [None] * len(prompt) and then the logprob entries of its reference continuation, decoded in one
+    batch: the prompts are prefilled, and each step samples, for every request, the reference's next token (the
+    sampler's mask forces it, as structured output masks; logprobs are of the raw model output, taken before any
+    mask), so that each scored position is a decode step's, reading the earlier tokens from the KV cache. One
+    batched decode, not a request at a time: the rows of a step are independent."""
+    from tokenmill import SamplingParams
+    runner = llm.engine.runner
+    sampler = runner.sampler
+    forced = {f"forced-{i}": ref for i, ref in enumerate(refs)}
+
+    def forcing(logits, requests, constrain=None):
+        def force(lg):
+            if constrain is not None:
+                constrain(lg)
+            for i, r in enumerate(requests):
+                ref = forced.get(r.request_id)
+                if ref is not None:
+                    token = ref[r.num_output_tokens]
+                    lg[i] = float("-inf")
+                    lg[i, token] = 0.0
+        return sampler(logits, requests, force)
+
+    entries: dict[str, list] = {rid: [] for rid in forced}
+    runner.sampler = forcing
     try:
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                logprobs += o.prompt_logprobs or []
-            scheduler.max_num_batched_tokens = 1
+        for (rid, ref), prompt in zip(forced.items(), prompts):
+            llm.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=len(ref), logprobs=2,
+                                                               ignore_eos=True))
+        while llm.engine.has_unfinished_requests():
+            for o in llm.engine.step():
+                if o.request_id in entries:
+                    entries[o.request_id] += o.logprobs or []
     finally:
-        scheduler.max_num_batched_tokens = budget
-        torch.set_num_threads(threads)
-    return logprobs
+        runner.sampler = sampler
+    return [[None] * len(p) + entries[rid] for p, rid in zip(prompts, forced)]
 
 
 def scattered_tables(contexts: list[int], block_size: int, num_blocks: int, generator) -> list[list[int]]:

@@ -7,24 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import PROMPT_LENGTHS, greedy_generate, hf_greedy, llm_sharing_weights, teacher_forced_agreement
+from helpers import (PROMPT_LENGTHS, greedy_generate, hf_greedy, hf_greedy_batch, llm_sharing_weights,
+                     teacher_forced_agreement)
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24  # helpers.greedy_generate's
 
-_HF_CACHE: dict[tuple[int, ...], list[int]] = {}
-
-
 @pytest.fixture(scope="module")
-def reference(hf_reference):
-    """HF float32 greedy ids of a prompt, computed once per prompt."""
-    def get(prompt: list[int]) -> list[int]:
-        key = tuple(prompt)
-        if key not in _HF_CACHE:
-            _HF_CACHE[key] = hf_greedy(hf_reference, prompt, MAX_TOKENS)
-        return _HF_CACHE[key]
-    return get
+def reference(hf_reference, hf_continuations, prefix_prompts):
+    """HF float32 greedy ids of a prompt (helpers.hf_greedy keeps them): `prompts`' are the session's
+    hf_continuations; the prefix prompts in one batch."""
+    hf_greedy_batch(hf_reference, prefix_prompts, MAX_TOKENS)
+    return lambda prompt: hf_greedy(hf_reference, prompt, MAX_TOKENS)
 
 
 def record_steps(llm) -> list[dict[str, int]]:
