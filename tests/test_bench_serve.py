@@ -162,12 +162,14 @@ def test_goodput_rate_sweep_with_long_prompts(server, tmp_path, capsys):
 
 
 @pytest.mark.slow  # --launch starts a server of its own
-def test_launch_starts_and_stops_a_server(tmp_path):
+def test_launch_starts_and_stops_a_server(tmp_path, tiny_llama_dir):
+    """The engine flags after --launch reach `tokenmill serve`: here the model too (the tiny random one, which
+    starts in seconds), served under the name the bench then requests."""
     port = free_port()
     result = run_bench(tmp_path, "--launch", "--base-url", f"http://127.0.0.1:{port}", "--input-len", "8",
                        "--output-len", "3", "--num-prompts", "2", "--concurrency", "1", "--engine-name", "mine",
-                       *SERVER_ARGS)
-    assert result["engine"] == "mine" and result["results"][0]["completed"] == 2
+                       tiny_llama_dir, "--served-model-name", "tiny", *SERVER_ARGS)
+    assert result["engine"] == "mine" and result["model"] == "tiny" and result["results"][0]["completed"] == 2
     with pytest.raises(Exception):
         import httpx
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

@@ -142,14 +142,18 @@ def test_priority_over_http_serves_lower_values_first(priority_server, lone_serv
     assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_0():
+def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir):
     """50 streams in flight at SIGTERM: each one completes or ends with a clear error; later requests get 503;
-    the exit status is 0."""
-    lone_server = RemoteServer(["--api-key", API_KEY, "--shutdown-timeout", "60"])
+    the exit status is 0. A server mechanism: the tiny random model, served under the default model's name, its
+    streams long enough (150 tokens) that none has ended when the signal lands, as the test asserts."""
+    lone_server = RemoteServer(["--api-key", API_KEY, "--shutdown-timeout", "60", "--served-model-name", MODEL,
+                                "--max-model-len", "8192"], model=tiny_llama_dir)
+    ended = []
+
     async def stream(client, first_tokens: asyncio.Queue):
         events, got_first = [], False
         async with client.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": "Write about the sea.", "max_tokens": 24, "ignore_eos": True,
+                "model": MODEL, "prompt": "Write about the sea.", "max_tokens": 150, "ignore_eos": True,
                 "stream": True}) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -158,6 +162,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
                     if not got_first:
                         got_first = True
                         first_tokens.put_nowait(1)
+        ended.append(1)
         return events
 
     async def main():
@@ -169,6 +174,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
             for _ in range(5):
                 await first_tokens.get()
             lone_server.proc.send_signal(signal.SIGTERM)
+            ended_at_signal = len(ended)
 
             async def draining() -> bool:  # /health/ready turns 503 once the server has taken the signal
                 return (await client.get("/health/ready")).status_code == 503
@@ -177,9 +183,10 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
                                    message="the server to start draining after SIGTERM (/health/ready 503)")
             after = await client.post("/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2})
             ready = await client.get("/health/ready")
-            return await asyncio.gather(*streams), after, ready
+            return await asyncio.gather(*streams), after, ready, ended_at_signal
 
-    all_events, after, ready = asyncio.run(main())
+    all_events, after, ready, ended_at_signal = asyncio.run(main())
+    assert ended_at_signal == 0
     assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable_error"
     assert ready.status_code == 503
     completed = 0
