@@ -29,8 +29,11 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def obs_server(receiver):
-    s = RemoteServer(["--otlp-traces-endpoint", receiver.url], env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+def obs_server(receiver, tiny_llama_dir):
+    """Traces, metrics and the dashboard are the server's: the tiny random model, served under the default
+    model's name, starts in seconds."""
+    s = RemoteServer(["--otlp-traces-endpoint", receiver.url, "--served-model-name", MODEL],
+                     env={"OTEL_BSP_SCHEDULE_DELAY": "100"}, model=tiny_llama_dir)
     yield s
     s.stop()
 
@@ -182,11 +185,11 @@ def is_stats_line(record: dict) -> bool:
     return "Avg prompt throughput" in message and "Prefix cache hit rate" in message
 
 
-def test_stats_log_line_and_json_logs(tmp_path):
+def test_stats_log_line_and_json_logs(tiny_llama_dir):
     """--log-format json: every line is JSON, request lines carry the request id, and the periodic stats line
-    appears (its interval shortened for the test)."""
-    server = RemoteServer(["--log-format", "json", "--uvicorn-log-level", "info"],
-                          env={"TOKENMILL_STATS_LOG_INTERVAL_S": "1"})
+    appears (its interval shortened for the test). On the tiny random model, as obs_server."""
+    server = RemoteServer(["--log-format", "json", "--uvicorn-log-level", "info", "--served-model-name", MODEL],
+                          env={"TOKENMILL_STATS_LOG_INTERVAL_S": "1"}, model=tiny_llama_dir)
     try:
         r = httpx.post(server.url_for("/v1/completions"), headers={"X-Request-Id": "req-abc-123"}, timeout=60,
                        json={"model": MODEL, "prompt": "Hi", "max_tokens": 8, "ignore_eos": True})
