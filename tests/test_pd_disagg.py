@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -53,7 +54,9 @@ def pd(servers):
         "pd-prefill": [*tcp("kv_producer", abort_request_timeout=PIN_TIMEOUT_S), "--max-num-batched-tokens", "32"],
         "pd-decode": tcp("kv_consumer", fetch_timeout=FETCH_TIMEOUT_S),
     }
-    return {name: servers(name, args, env=env) for name, args in specs.items()}
+    with ThreadPoolExecutor(len(specs)) as pool:  # they load side by side
+        futures = {name: pool.submit(servers, name, args, env=env) for name, args in specs.items()}
+    return {name: f.result() for name, f in futures.items()}
 
 
 def complete(server, prompt: list[int], max_tokens: int = MAX_TOKENS, kv=None, path="/v1/completions",

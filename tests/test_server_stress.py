@@ -8,9 +8,21 @@ import time
 
 import httpx
 import pytest
-from helpers import MODEL, wait_until, wait_until_async
+from helpers import API_KEY, MODEL, RemoteServer, wait_until, wait_until_async
 
-LONG = {"max_tokens": 1500, "ignore_eos": True}
+# longer than a request can run in the 1.5 s a waiting client gives it, on the tiny model's millisecond steps
+LONG = {"max_tokens": 6000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    """The tiny random model under the default model's name: these tests load the server (many clients, clients
+    that leave, an engine killed), not the model. Its steps take milliseconds, and the engine the last test kills
+    is this module's, not the session's default server (which would load the real model again)."""
+    s = RemoteServer(["--api-key", API_KEY, "--served-model-name", MODEL, "--max-model-len", "8192"],
+                     model=tiny_llama_dir)
+    yield s
+    s.stop()
 
 
 def _wait_until_idle(server, timeout_s: float = 60.0) -> dict[str, float]:
@@ -96,7 +108,7 @@ def test_256_concurrent_streams(server):
 
 
 def test_engine_death_fails_requests_with_503(server):
-    """Last on purpose: it kills the shared server's engine (the next user of the fixture gets a new server).
+    """Last on purpose: it kills the module's server's engine.
     kill -9 on the engine: the stream in flight and the request waiting both get 503 within 5 s, and the server
     exits non-zero so that an orchestrator restarts it."""
     server.mark_broken()
