@@ -202,12 +202,7 @@ WINDOW = 500  # tokens per perplexity window (the engines' max_model_len is 512)
 
 @pytest.fixture(scope="module")
 def engines():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield {q: llm_sharing_weights(dtype="float32", quantization=q) for q in ("none", "w8a8")}
-    finally:
-        torch.set_num_threads(threads)
+    return {q: llm_sharing_weights(dtype="float32", quantization=q) for q in ("none", "w8a8")}
 
 
 def perplexity(llm, ids: list[int]) -> float:
