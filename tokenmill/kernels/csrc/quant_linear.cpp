@@ -463,9 +463,15 @@ bool onednn_linear_supported(at::ScalarType dtype) {
 }
 
 // The dense model's linear on the dequantized weight: oneDNN where it serves the dtype, else at::linear, as
-// the dense model falls back to F.linear.
+// the dense model falls back to F.linear; bf16 without oneDNN's (emulated by torch) from 32 rows through float32,
+// as tokenmill/models/linear.py's linear() does from BF16_VIA_FLOAT32_MIN_ROWS (the same threshold).
 at::Tensor dense_model_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   if (onednn_linear_supported(x.scalar_type())) return onednn_linear(x, weight, bias);
+  if (x.scalar_type() == at::kBFloat16 && x.numel() >= 32 * x.size(-1)) {
+    std::optional<at::Tensor> b32;
+    if (bias.has_value() && bias->defined()) b32 = bias->to(at::kFloat);
+    return at::linear(x.to(at::kFloat), weight.to(at::kFloat), b32).to(at::kBFloat16);
+  }
   return at::linear(x, weight, bias);
 }
 
