@@ -240,13 +240,14 @@ class EngineCore:
         while self.has_unfinished_requests():  # only the tier's saves can be left
             self.step()
         before = sum(r.kv_cache_bytes() for r in self._runners)
+        copies = sum(r.second_copy_bytes() for r in self._runners)
         self.kv_cache.reset_prefix_cache()
         for runner in self._runners:
             runner.sleep(level)
         self.sleep_level = max(level, self.sleep_level)
         release_freed_memory()  # what glibc keeps of the freed heap goes back to the OS
-        logger.info("asleep at level %d: %.2f GiB of KV cache freed%s", level, before / 2**30,
-                    ", and the weights" if level == 2 else "")
+        logger.info("asleep at level %d: %.2f GiB of KV cache freed, %.2f GiB of the weights' second (small-M) "
+                    "copies%s", level, before / 2**30, copies / 2**30, ", and the weights" if level == 2 else "")
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's wake_up: the parts named ("weights", "kv_cache"; None: both) are restored as they were."""

@@ -24,7 +24,7 @@ from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.attention import AttentionMetadata, CPUKernelBackend, TritonBackend, get_attention_backend
 from tokenmill.models.kv_quant import is_one_byte, kv_storage_dtype, needs_calibration
-from tokenmill.models.linear import has_second_copies
+from tokenmill.models.linear import has_second_copies, second_copy_bytes
 from tokenmill.models.loader import ModelInfo, load_model, resolve_dtype
 
 logger = logging.getLogger("tokenmill.runner")
@@ -153,6 +153,10 @@ class ModelRunner:
 
     def kv_cache_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for k, v, _ in self.kv_caches for t in (k, v))
+
+    def second_copy_bytes(self) -> int:
+        """What sleep level 1 frees of the weights: the small-M copies beside another copy (0 once freed)."""
+        return second_copy_bytes(self.model) if self.weights_state == "awake" and self.model is not None else 0
 
     def sleep(self, level: int) -> None:
         """Frees the KV pool's memory, the CUDA graphs, and the small-M kernel's copies of the weights (rebuilt

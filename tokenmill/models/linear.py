@@ -151,6 +151,15 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed)
 
 
+def second_copy_bytes(model: nn.Module) -> int:
+    """The bytes of the small-M layouts held beside another copy of the same weight (a linear's, and the tied
+    lm_head's beside the embedding): what sleep level 1 frees of the weights (use_cpu_kernels(None))."""
+    copies = [m.small_m for m in model.modules() if isinstance(m, Linear) and m.small_m is not None
+              and not m.single_copy]
+    head = getattr(model, "tied_lm_head_small_m", None)
+    return sum(t.untyped_storage().nbytes() for t in copies + ([head] if head is not None else []))
+
+
 def has_second_copies(model: nn.Module) -> bool:
     """Whether some linear weight of the model is held twice (oneDNN's and the small-M layout): what sleep level 1
     can free without losing the weights."""
