@@ -254,14 +254,16 @@ def test_small_m_linear(ops, dtype, rows, out_features, in_features, bias):
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-def small_m_paths(ops) -> list[str]:
-    """The paths for more rows than a decode batch this CPU runs: the 8-row blocks always, AMX-BF16 where it has it."""
+def small_m_paths(ops, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """The paths for more rows than a decode batch this CPU runs: the 8-row blocks always, and AMX-BF16 (bf16)
+    where it has it, or the blocked GEMM (float32)."""
+    if dtype == torch.float32:
+        return ["vector", "f32_gemm"]
     paths = ["vector"]
     try:
-        previous = ops.small_m_select_path("amx_bf16")
-        ops.small_m_select_path("auto")
+        assert ops.small_m_select_path("amx_bf16") == "auto"
+        assert ops.small_m_select_path("auto") == "amx_bf16"
         paths.append("amx_bf16")
-        assert previous == ops.small_m_large_path(torch.bfloat16)
     except RuntimeError as e:
         assert "do not run amx_bf16" in str(e)
     return paths
@@ -270,23 +272,28 @@ def small_m_paths(ops) -> list[str]:
 @pytest.mark.parametrize("rows", [9, 16, 17, 32, 33, 100, 257, 512])
 @pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (48, 64, True), (1000, 1536, True),
                                                            (37, 96, False), (40, 70, True)])
-def test_small_m_layout_serves_prefill_chunks(ops, rows, out_features, in_features, bias):
-    """A prefill chunk from the small-M layout (its only copy on AMX-BF16 CPUs: models/linear.py one_layout), on
-    every path this CPU runs: row counts past the 32-row register block and the 256-row work item, with tails of
-    16 rows, N not a multiple of 32, and K not a multiple of 32 (which the AMX path leaves to the 8-row blocks)."""
-    if not ops.small_m_supported(torch.bfloat16):
-        pytest.skip("no bf16 small-M kernel in this build on this CPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_m_layout_serves_prefill_chunks(ops, rows, out_features, in_features, bias, dtype):
+    """A prefill chunk from the small-M layout (its only copy on AMX-BF16 CPUs in bf16 and in the AVX2 build in
+    float32: models/linear.py one_layout), on every path this CPU runs: row counts past the register blocks (32
+    rows on AMX, 6 in the float32 GEMM), its 126-row chunks and the AMX path's 256-row work item, K past the float32
+    GEMM's 256-wide slices, N not a multiple of 32 or of two vectors, and K not a multiple of 32 (which the AMX path
+    leaves to the 8-row blocks)."""
+    if not ops.small_m_supported(dtype):
+        pytest.skip(f"no {dtype} small-M kernel in this build on this CPU")
     g = torch.Generator().manual_seed(rows + in_features)
-    weight = (torch.randn(out_features, in_features, generator=g) * 0.05).to(torch.bfloat16)
-    b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
-    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=g) * 0.05).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
     packed = ops.pack_small_m(weight)
     want = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    for path in small_m_paths(ops):
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    for path in small_m_paths(ops, dtype):
         ops.small_m_select_path(path)
         try:
+            assert ops.small_m_large_path(dtype) == path
             got = ops.small_m_linear(x, packed, b, out_features)
         finally:
             ops.small_m_select_path("auto")
-        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m: f"{path}: {m}")
+        assert got.shape == (rows, out_features) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol, msg=lambda m: f"{path}: {m}")

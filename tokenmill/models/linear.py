@@ -62,11 +62,15 @@ SMALL_M_MAX_ROWS = 8
 
 
 def one_layout(ops, small: torch.Tensor | None, in_features: int) -> bool:
-    """Whether the small-M layout can be a weight's only copy: the kernel serves prefill chunks from it as fast as
-    oneDNN (its AMX-BF16 path, which takes K in steps of 32; benchmarks/results/one-copy.md). Elsewhere the oneDNN
-    layout stays for prefill chunks."""
-    return (small is not None and small.dtype == torch.bfloat16 and in_features % 32 == 0
-            and ops.small_m_large_path(torch.bfloat16) == "amx_bf16")
+    """Whether the small-M layout can be a weight's only copy: where the kernel serves prefill chunks from it as
+    fast as oneDNN, as measured (benchmarks/results/one-copy.md): bf16 on its AMX-BF16 path (K in steps of 32), and
+    float32 on its blocked GEMM in the AVX2 build (what CPUs without AVX-512 run; the AVX-512 build's 16-lane
+    version has not been timed against oneDNN yet). Elsewhere the oneDNN layout stays for prefill chunks."""
+    if small is None:
+        return False
+    if small.dtype == torch.bfloat16:
+        return in_features % 32 == 0 and ops.small_m_large_path(torch.bfloat16) == "amx_bf16"
+    return ops.name == "tokenmill_avx2" and ops.small_m_large_path(torch.float32) == "f32_gemm"
 
 
 def unpack_small_m(small: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

@@ -9,13 +9,15 @@
 // weight needs no second layout (issue 41's "one copy of the weights": the model keeps only this one where the
 // CPU runs this path; tokenmill/models/linear.py). A register block is 32 rows x 32 outputs (two activation
 // tiles, two weight tiles, four float32 sum tiles accumulating all of K, as oneDNN's AMX GEMM does); rows past
-// M are read from a zeroed copy of the last rows. Elsewhere more rows go through the 8-row blocks, as before.
-// small_m_select_path() picks the path for the tests and benchmarks.
+// M are read from a zeroed copy of the last rows. Float32 prefill chunks go through a blocked GEMM on the same
+// layout (f32_gemm below); bf16 ones without AMX-BF16 through the 8-row blocks. small_m_select_path() picks the
+// path for the tests and benchmarks ("vector", the 8-row blocks, for both dtypes).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <string>
 #include <vector>
@@ -71,6 +73,78 @@ void small_m_f32_block(const float* x, int64_t x_stride, int rows, const float* 
   for (int m = 0; m < rows; ++m) vstore(y + m * y_stride, vadd(acc[m], b));
 }
 
+// Float32 batches of more than kSmallMRows rows (prefill chunks) read the same [N / VL][K][VL] layout, blocked as
+// BLIS blocks a GEMM whose weight is already packed in panels: a register block of kGemmRows rows x two panels
+// (12 accumulators, 2 weight vectors and a broadcast: 15 of AVX2's 16 registers) runs over kGemmK consecutive K,
+// so the two panels' slices (kGemmK x 2 VL floats, 16 KB on AVX2) stay in L1 while it walks a chunk of kGemmChunk
+// rows whose kGemmK-wide slice of x (128 KB) stays in L2; the sums go through y between K slices (the first slice
+// starts from the bias). The 8-row blocks above re-read x from L2 for every 8 outputs and load a broadcast per
+// multiply-add, which made them ~1.9x oneDNN's time at 512 rows on an AVX2-only EPYC; this is what lets the model
+// keep the small-M layout alone in float32 (models/linear.py one_layout).
+constexpr int kGemmRows = 6;
+constexpr int64_t kGemmK = 256;
+constexpr int64_t kGemmChunk = 126;  // a multiple of kGemmRows
+
+template <int R, int P>
+void f32_gemm_block(const float* x, int64_t xs, const float* w, int64_t panel_stride, int64_t kc, const float* bias,
+                    bool first, float* y, int64_t ys) {
+  vfloat acc[R][P];
+#pragma GCC unroll 6
+  for (int m = 0; m < R; ++m)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p)
+      acc[m][p] = !first ? vload(y + m * ys + p * VL) : bias ? vload(bias + p * VL) : vzero();
+  for (int64_t k = 0; k < kc; ++k) {
+    vfloat wv[P];
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) wv[p] = vload(w + p * panel_stride + k * VL);
+#pragma GCC unroll 6
+    for (int m = 0; m < R; ++m) {
+      const vfloat a = vset1(x[m * xs + k]);
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) acc[m][p] = vfma(a, wv[p], acc[m][p]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < R; ++m)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) vstore(y + m * ys + p * VL, acc[m][p]);
+}
+
+using GemmBlock = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, bool, float*, int64_t);
+
+template <int... Rs>
+constexpr std::array<std::array<GemmBlock, 2>, sizeof...(Rs)> gemm_blocks(std::integer_sequence<int, Rs...>) {
+  return {{{&f32_gemm_block<Rs + 1, 1>, &f32_gemm_block<Rs + 1, 2>}...}};
+}
+constexpr auto kGemmBlocks = gemm_blocks(std::make_integer_sequence<int, kGemmRows>());
+
+// y [M, Np] = x [M, K] W^T (+ bias), W packed [Np / VL][K][VL] float32; the threads split the panel pairs.
+void f32_gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0), panels = packed.size(0), Np = panels * VL;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k0 = 0; k0 < K; k0 += kGemmK) {
+      const int64_t kc = std::min(kGemmK, K - k0);
+      for (int64_t c0 = 0; c0 < M; c0 += kGemmChunk) {
+        const int64_t c1 = std::min(M, c0 + kGemmChunk);
+        for (int64_t pair = begin; pair < end; ++pair) {
+          const int64_t p0 = pair * 2;
+          const int np = static_cast<int>(std::min<int64_t>(2, panels - p0));
+          const float* w = wp + p0 * K * VL + k0 * VL;
+          const float* b = bias ? bias + p0 * VL : nullptr;
+          for (int64_t m0 = c0; m0 < c1; m0 += kGemmRows) {
+            const int r = static_cast<int>(std::min<int64_t>(kGemmRows, c1 - m0));
+            kGemmBlocks[r - 1][np - 1](xp + m0 * xs + k0, xs, w, K * VL, kc, b, k0 == 0, yp + m0 * Np + p0 * VL, Np);
+          }
+        }
+      }
+    }
+  });
+}
+
 #if defined(__AVX512F__)
 constexpr int64_t kAmxChunk = 256;  // rows per work item
 
@@ -96,25 +170,28 @@ void amx_bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const float* b
 }
 #endif
 
-enum Path { kVector, kAmxBf16 };
-std::atomic<int> selected{-1};  // small_m_select_path's choice; -1: the best this CPU runs
+enum Path { kVector, kAmxBf16, kF32Gemm };
+const char* const kPathNames[] = {"vector", "amx_bf16", "f32_gemm"};
+std::atomic<int> selected{-1};  // small_m_select_path's choice; -1: the best this CPU runs for each dtype
 
 bool runs(int path) {
 #if defined(__AVX512F__)
   if (path == kAmxBf16) return cpu_has_avx512_bf16() && amx_available(AmxUnit::kBf16);
 #endif
-  return path == kVector;
+  return path == kVector || path == kF32Gemm;
 }
 
-// The path for bf16 batches of more than kSmallMRows rows: the selected one, else the best this CPU runs.
-int large_path() {
+// The path for batches of more than kSmallMRows rows of this dtype: the selected one where it is this dtype's
+// ("vector", the 8-row blocks, is both dtypes'), else the best this CPU runs.
+int large_path(at::ScalarType dtype) {
   const int p = selected.load(std::memory_order_relaxed);
-  return p >= 0 ? p : (runs(kAmxBf16) ? kAmxBf16 : kVector);
+  if (dtype != at::kBFloat16) return p == kVector ? kVector : kF32Gemm;
+  return p == kVector || p == kAmxBf16 ? p : (runs(kAmxBf16) ? kAmxBf16 : kVector);
 }
 
 int path_for_rows(int64_t rows, const at::Tensor& x) {
-  if (rows <= kSmallMRows || x.scalar_type() != at::kBFloat16 || x.size(1) % 32) return kVector;
-  return large_path();
+  if (rows <= kSmallMRows || (x.scalar_type() == at::kBFloat16 && x.size(1) % 32)) return kVector;
+  return large_path(x.scalar_type());
 }
 
 // The lanes of one packed block: VL floats, or 16 bf16 outputs on the AVX512-BF16 path.
@@ -166,6 +243,10 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const s
     return Np == out_features ? y : y.narrow(1, 0, out_features);
   }
 #endif
+  if (path_for_rows(rows, x) == kF32Gemm) {
+    f32_gemm(x, packed, bp, y);
+    return Np == out_features ? y : y.narrow(1, 0, out_features);
+  }
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
       for (int64_t m0 = 0; m0 < rows; m0 += kSmallMRows) {
@@ -188,17 +269,18 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const s
   return Np == out_features ? y : y.narrow(1, 0, out_features);
 }
 
-std::string small_m_large_path(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 && large_path() == kAmxBf16 ? "amx_bf16" : "vector";
-}
+std::string small_m_large_path(at::ScalarType dtype) { return kPathNames[large_path(dtype)]; }
 
 std::string small_m_select_path(const std::string& path) {
-  const std::string previous = small_m_large_path(at::kBFloat16);
-  const int p = path == "amx_bf16" ? kAmxBf16 : path == "vector" ? kVector : -1;
-  TORCH_CHECK(path == "auto" || p >= 0, "small_m_select_path: unknown path '", path, "' (auto, vector, amx_bf16)");
+  const int previous = selected.load(std::memory_order_relaxed);
+  int p = -1;
+  for (int i = 0; i < 3; ++i)
+    if (path == kPathNames[i]) p = i;
+  TORCH_CHECK(path == "auto" || p >= 0, "small_m_select_path: unknown path '", path,
+              "' (auto, vector, amx_bf16, f32_gemm)");
   TORCH_CHECK(p < 0 || runs(p), "small_m_select_path: this CPU and build do not run ", path);
   selected.store(p, std::memory_order_relaxed);
-  return previous;
+  return previous < 0 ? "auto" : kPathNames[previous];
 }
 
 }  // namespace TM_NAMESPACE
