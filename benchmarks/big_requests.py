@@ -14,7 +14,9 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from soak import _cpu, _healthy, free_port  # noqa: E402 - the soak benchmark's server helpers
+from soak import _cpu, _healthy  # noqa: E402 - the soak benchmark's server helpers
+
+from tokenmill.ports import free_port  # noqa: E402
 
 ROUNDS = 5
 

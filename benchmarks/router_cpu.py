@@ -30,7 +30,9 @@ import time
 import httptools
 import psutil
 import uvloop
-from router_resilience import free_port, wait_http  # this directory's: the benchmarks share their helpers
+from router_resilience import wait_http  # this directory's: the benchmarks share their helpers
+
+from tokenmill.ports import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 COMPLETION = json.dumps({

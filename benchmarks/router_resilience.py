@@ -37,7 +37,6 @@ import multiprocessing
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,18 +45,14 @@ import time
 import aiohttp
 import httpx
 
+from tokenmill.ports import free_port
+
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEMS = ["You are a terse assistant for a shipping company. Answer in one or two sentences. " * 6,
            "You answer questions about astronomy, briefly and with care, as a teacher would. " * 6]
 TOPICS = ["the tides", "a lighthouse", "winter storms", "the night sky", "container ships", "the moon", "comets",
           "harbour cranes", "navigation by stars", "sea charts", "the equator", "ocean currents", "Saturn's rings",
           "cargo insurance", "a solar eclipse", "the north star"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:

@@ -15,21 +15,16 @@ import json
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+
+from tokenmill.ports import free_port
 import psutil
 
 WORDS = "the a river stone light quiet engine paper north garden number over under seven silver".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(proc: psutil.Process) -> dict[str, float]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import random
 import shutil
 import signal
 import socket
@@ -22,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 import httpx
+
+from tokenmill.ports import free_port
 
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
@@ -41,39 +42,6 @@ PROMPT_LENGTHS = [5, 12, 31, 64, 97, 150, 233, 300]  # conftest's `prompts`, win
 
 
 # ---------------------------------------------------------------- a real server
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except OSError:
-        return 32768  # Linux's default
-
-
-_handed_out: set[int] = set()
-_port_lock = threading.Lock()
-
-
-def free_port() -> int:
-    """A TCP port that is free now and stays free until the test binds it. A port the kernel picked for bind(0)
-    lies in the ephemeral range, which every outgoing connection draws its local port from too: in the seconds
-    a server takes to load, a health poll's connection could take it (a replica's KV-event socket once failed so
-    in CI). So the port is drawn below that range, where the kernel never assigns one, and never twice in this
-    process (replicas start side by side)."""
-    low = _ephemeral_low()
-    with _port_lock:
-        while True:
-            port = random.randrange(max(1024, low - 12000), low)
-            if port in _handed_out:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _handed_out.add(port)
-            return port
-
 
 class RemoteServer:
     """A `tokenmill serve` subprocess, healthy when the constructor returns; stop() ends it. A test that breaks

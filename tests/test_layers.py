@@ -11,7 +11,8 @@ import grimp
 # From the ground up. Each floor is a tuple of independent groups; each group, the modules (or packages) in it.
 FLOORS: list[tuple[tuple[str, ...], ...]] = [
     # plain data and parsers, no torch: what every process (engine, API server, router) may load
-    (("tokenmill.envs", "tokenmill.logs", "tokenmill.json_flag", "tokenmill.heap", "tokenmill.sampling_params",
+    (("tokenmill.envs", "tokenmill.logs", "tokenmill.ports", "tokenmill.json_flag", "tokenmill.heap",
+      "tokenmill.sampling_params",
       "tokenmill.pooling_params", "tokenmill.pooling_outputs", "tokenmill.kv_transfer_params", "tokenmill.logprobs", "tokenmill.outputs",
       "tokenmill.reasoning", "tokenmill.tool_parsers", "tokenmill.chat_templates", "tokenmill.gguf_file", "tokenmill.tokenizer",
       "tokenmill.detokenizer", "tokenmill.config"),),

@@ -115,9 +115,10 @@ def counter(server, name: str) -> float:
 
 def test_levels_free_memory_and_a_wake_restores_outputs_prefix_caching_and_metrics(sleepy):
     """Level 1 frees at least 90% of what it names in its log line: the KV pool's bytes (a pool every block of
-    which has been written) and the weights' second (small-M) copies, which are as large as the pool here; level 2
-    brings the engine within 150 MB of itself before it loaded the model; after each wake the greedy output is the
-    same, a repeated prompt finds its prefix cached, and the request and token counters go on adding up."""
+    which has been written) and the weights' second (small-M) copies (none where the model holds its linear
+    weights once: models/linear.py one_layout); level 2 brings the engine within 150 MB of itself before it loaded
+    the model; after each wake the greedy output is the same, a repeated prompt finds its prefix cached, and the
+    request and token counters go on adding up."""
     before = complete(sleepy).json()
     fill_pool(sleepy)
     awake = rss_mib(sleepy)

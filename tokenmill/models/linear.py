@@ -157,7 +157,10 @@ class Linear(nn.Linear):
 
 def second_copy_bytes(model: nn.Module) -> int:
     """The bytes of the small-M layouts held beside another copy of the same weight (a linear's, and the tied
-    lm_head's beside the embedding): what sleep level 1 frees of the weights (use_cpu_kernels(None))."""
+    lm_head's beside the embedding): what sleep level 1 frees of the weights (use_cpu_kernels(None)), which it does
+    only where some linear is held twice (has_second_copies: with one copy, the tied lm_head's layout stays too)."""
+    if not has_second_copies(model):
+        return 0
     copies = [m.small_m for m in model.modules() if isinstance(m, Linear) and m.small_m is not None
               and not m.single_copy]
     head = getattr(model, "tied_lm_head_small_m", None)

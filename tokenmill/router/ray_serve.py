@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.api.lifecycle import Lifecycle
+from tokenmill.ports import free_ports
 from tokenmill.router.app import build_app, build_state, join, leave, load_router_tokenizer
 from tokenmill.router.replica_client import TRANSPORT_ERRORS, ReplicaClient
 from tokenmill.router.replicas import Replica, replica_reported_load
@@ -126,17 +126,6 @@ def _configure_logging() -> None:
 
 # ---------------------------------------------------------------- the replicas ----------------------------------
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _die_with_parent():
     """A preexec_fn: the engine must not outlive its replica's actor, even one that Ray kills outright (Linux's
     PR_SET_PDEATHSIG; tokenmill serve's engine process in turn follows its parent). prctl is looked up here, in
@@ -161,7 +150,7 @@ class TokenmillReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         node = ray.util.get_node_ip_address()
-        port, pub, replay = _free_ports(3)
+        port, pub, replay = free_ports(3, "")  # below the ephemeral range: tokenmill/ports.py
         events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}",
                   "topic": "kv"}
         cmd = [sys.executable, "-m", "tokenmill.cli", "serve", *serve_args, "--host", "0.0.0.0", "--port", str(port),
