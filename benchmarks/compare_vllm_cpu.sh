@@ -3,7 +3,9 @@
 # the same random prompts, ISL 256 / OSL 128, c=1,8,32,64, 2 requests per stream, SLO TTFT p99 < 2 s and
 # ITL p50 < 100 ms. The machine's flags go into the results. Run it on a quiet machine.
 #   benchmarks/compare_vllm_cpu.sh [DTYPE] [OUT_DIR]     (DTYPE bfloat16 or float32; vLLM from ../shared/peers;
-#                                                        CONCURRENCY: levels, default 1,8,32,64)
+#                                                        CONCURRENCY: levels, default 1,8,32,64;
+#                                                        TOKENMILL_ARGS: more `tokenmill serve` flags, e.g.
+#                                                        "--quantization none" for the dense model)
 set -euo pipefail
 DTYPE=${1:-bfloat16}
 PREC=$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)
@@ -14,7 +16,9 @@ mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
 nohup "$PEERS/serve_vllm.sh" --dtype "$DTYPE" > "$OUT/vllm-server.log" 2>&1 &
 VLLM=$!
-$PY/tokenmill serve --dtype "$DTYPE" --max-model-len 2048 --port 8000 --disable-log-stats > "$OUT/tokenmill-server.log" 2>&1 &
+# shellcheck disable=SC2086 # TOKENMILL_ARGS is a list of flags
+$PY/tokenmill serve --dtype "$DTYPE" --max-model-len 2048 --port 8000 --disable-log-stats ${TOKENMILL_ARGS:-} \
+  > "$OUT/tokenmill-server.log" 2>&1 &
 TM=$!
 trap 'kill $TM $VLLM 2>/dev/null || true' EXIT
 until curl -sf http://127.0.0.1:8000/health/ready > /dev/null; do sleep 2; done
