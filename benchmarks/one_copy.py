@@ -65,7 +65,7 @@ def engine(dtype: str, rounds: int) -> dict:
             proc = subprocess.run([sys.executable, __file__, "--dtype", dtype, "--engine-child", copies],
                                   capture_output=True, text=True, check=True)
             result = json.loads(proc.stdout.strip().splitlines()[-1])
-            runs[f"{copies}_cop{'ies' if copies == 'two' else 'y'}"].append(result)
+            runs["two_copies" if copies == "two" else "one_copy"].append(result)
             print(copies, result, flush=True)
     return {name: {"runs": got, "median": {key: statistics.median(g[key] for g in got) for key in got[0]}}
             for name, got in runs.items()}

@@ -20,9 +20,9 @@ import sys
 import time
 
 import httpx
+import psutil
 
 from tokenmill.ports import free_port
-import psutil
 
 WORDS = "the a river stone light quiet engine paper north garden number over under seven silver".split()
 

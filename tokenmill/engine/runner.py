@@ -156,7 +156,7 @@ class ModelRunner:
 
     def second_copy_bytes(self) -> int:
         """What sleep level 1 frees of the weights: the small-M copies beside another copy (0 once freed)."""
-        return second_copy_bytes(self.model) if self.weights_state == "awake" and self.model is not None else 0
+        return second_copy_bytes(self.model) if self.model is not None else 0
 
     def sleep(self, level: int) -> None:
         """Frees the KV pool's memory, the CUDA graphs, and the small-M kernel's copies of the weights (rebuilt

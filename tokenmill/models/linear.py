@@ -62,15 +62,15 @@ SMALL_M_MAX_ROWS = 8
 
 
 def one_layout(ops, small: torch.Tensor | None, in_features: int) -> bool:
-    """Whether the small-M layout can be a weight's only copy: where the kernel serves prefill chunks from it as
-    fast as oneDNN, as measured (benchmarks/results/one-copy.md): bf16 on its AMX-BF16 path (K in steps of 32), and
-    float32 on its blocked GEMM in the AVX2 build (what CPUs without AVX-512 run; the AVX-512 build's 16-lane
-    version has not been timed against oneDNN yet). Elsewhere the oneDNN layout stays for prefill chunks."""
+    """Whether the small-M layout can be a weight's only copy: where the kernel's default path for prefill chunks
+    serves them from it as fast as oneDNN, as measured (benchmarks/results/one-copy.md): bf16 on AMX-BF16 (K in
+    steps of 32), float32 on the blocked GEMM (the AVX2 build's default; gemm_small_m.cpp kF32Default). Elsewhere
+    the oneDNN layout stays for prefill chunks."""
     if small is None:
         return False
     if small.dtype == torch.bfloat16:
         return in_features % 32 == 0 and ops.small_m_large_path(torch.bfloat16) == "amx_bf16"
-    return ops.name == "tokenmill_avx2" and ops.small_m_large_path(torch.float32) == "f32_gemm"
+    return ops.small_m_large_path(torch.float32) == "f32_gemm"
 
 
 def unpack_small_m(small: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -155,19 +155,23 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed)
 
 
-def second_copy_bytes(model: nn.Module) -> int:
-    """The bytes of the small-M layouts held beside another copy of the same weight (a linear's, and the tied
-    lm_head's beside the embedding): what sleep level 1 frees of the weights (use_cpu_kernels(None)), which it does
-    only where some linear is held twice (has_second_copies: with one copy, the tied lm_head's layout stays too)."""
-    if not has_second_copies(model):
-        return 0
-    copies = [m.small_m for m in model.modules() if isinstance(m, Linear) and m.small_m is not None
-              and not m.single_copy]
-    head = getattr(model, "tied_lm_head_small_m", None)
-    return sum(t.untyped_storage().nbytes() for t in copies + ([head] if head is not None else []))
+def _second_copies(model: nn.Module) -> list[torch.Tensor]:
+    """The small-M layouts held beside another copy of the same weight (oneDNN's or the dense one)."""
+    return [m.small_m for m in model.modules() if isinstance(m, Linear) and m.small_m is not None
+            and not m.single_copy]
 
 
 def has_second_copies(model: nn.Module) -> bool:
     """Whether some linear weight of the model is held twice (oneDNN's and the small-M layout): what sleep level 1
     can free without losing the weights."""
-    return any(isinstance(m, Linear) and m.small_m is not None and not m.single_copy for m in model.modules())
+    return bool(_second_copies(model))
+
+
+def second_copy_bytes(model: nn.Module) -> int:
+    """What sleep level 1 frees of the weights (use_cpu_kernels(None), only where has_second_copies): the linears'
+    second copies and the tied lm_head's layout beside the embedding (with one copy, that layout stays too)."""
+    copies = _second_copies(model)
+    head = getattr(model, "tied_lm_head_small_m", None)
+    if copies and head is not None:
+        copies.append(head)
+    return sum(t.untyped_storage().nbytes() for t in copies)

@@ -80,7 +80,7 @@ void small_m_f32_block(const float* x, int64_t x_stride, int rows, const float* 
 // rows whose kGemmK-wide slice of x (128 KB) stays in L2; the sums go through y between K slices (the first slice
 // starts from the bias). The 8-row blocks above re-read x from L2 for every 8 outputs and load a broadcast per
 // multiply-add, which made them ~1.9x oneDNN's time at 512 rows on an AVX2-only EPYC; this is what lets the model
-// keep the small-M layout alone in float32 (models/linear.py one_layout).
+// keep the small-M layout alone in float32 where it is the default (kF32Default below).
 constexpr int kGemmRows = 6;
 constexpr int64_t kGemmK = 256;
 constexpr int64_t kGemmChunk = 126;  // a multiple of kGemmRows
@@ -183,6 +183,16 @@ enum Path { kVector, kAmxBf16, kF32Gemm };
 const char* const kPathNames[] = {"vector", "amx_bf16", "f32_gemm"};
 std::atomic<int> selected{-1};  // small_m_select_path's choice; -1: the best this CPU runs for each dtype
 
+// The float32 default: f32_gemm where it was measured faster than oneDNN (the AVX2 build on an AVX2-only EPYC:
+// benchmarks/results/one-copy.md), so the model keeps this layout alone there (models/linear.py one_layout). The
+// AVX-512 build's 16-lane f32_gemm has not been timed against oneDNN yet: the 8-row blocks stay its default, so
+// the model keeps oneDNN's copy for prefill chunks, and f32_gemm runs only when selected (tests, benchmarks).
+#if defined(__AVX512F__)
+constexpr int kF32Default = kVector;
+#else
+constexpr int kF32Default = kF32Gemm;
+#endif
+
 bool runs(int path) {
 #if defined(__AVX512F__)
   if (path == kAmxBf16) return cpu_has_avx512_bf16() && amx_available(AmxUnit::kBf16);
@@ -194,7 +204,7 @@ bool runs(int path) {
 // ("vector", the 8-row blocks, is both dtypes'), else the best this CPU runs.
 int large_path(at::ScalarType dtype) {
   const int p = selected.load(std::memory_order_relaxed);
-  if (dtype != at::kBFloat16) return p == kVector ? kVector : kF32Gemm;
+  if (dtype != at::kBFloat16) return p == kVector || p == kF32Gemm ? p : kF32Default;
   return p == kVector || p == kAmxBf16 ? p : (runs(kAmxBf16) ? kAmxBf16 : kVector);
 }
 
@@ -246,13 +256,14 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const s
   }
   at::Tensor y = at::empty({rows, Np}, x.options());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int path = path_for_rows(rows, x);
 #if defined(__AVX512F__)
-  if (path_for_rows(rows, x) == kAmxBf16) {
+  if (path == kAmxBf16) {
     amx_bf16_gemm(x, packed, bp, y);
     return Np == out_features ? y : y.narrow(1, 0, out_features);
   }
 #endif
-  if (path_for_rows(rows, x) == kF32Gemm) {
+  if (path == kF32Gemm) {
     f32_gemm(x, packed, bp, y);
     return Np == out_features ? y : y.narrow(1, 0, out_features);
   }
@@ -283,7 +294,7 @@ std::string small_m_large_path(at::ScalarType dtype) { return kPathNames[large_p
 std::string small_m_select_path(const std::string& path) {
   const int previous = selected.load(std::memory_order_relaxed);
   int p = -1;
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < static_cast<int>(std::size(kPathNames)); ++i)
     if (path == kPathNames[i]) p = i;
   TORCH_CHECK(path == "auto" || p >= 0, "small_m_select_path: unknown path '", path,
               "' (auto, vector, amx_bf16, f32_gemm)");
