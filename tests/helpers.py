@@ -239,22 +239,6 @@ async def wait_until_async(predicate: Callable[[], Any], timeout_s: float, inter
 
 # ---------------------------------------------------------------- engines on the default model
 
-def single_threaded_llm(**engine_args):
-    """An offline LLM run on one torch thread (yield from it in a module- or session-scoped fixture).
-
-    Decoding a few sequences gains little from a second thread, and where other processes share the cores,
-    torch's thread pool then makes each step several times slower."""
-    import torch
-
-    from tokenmill import LLM
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield LLM(dtype="float32", **engine_args)
-    finally:
-        torch.set_num_threads(threads)
-
-
 _WEIGHTS: dict[tuple, Any] = {}
 
 
@@ -320,11 +304,10 @@ _HF_GREEDY: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], list[int]]]" =
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """HF greedy continuation, forced to max_new_tokens (ignore EOS), one prompt at a time (no padding). On one torch
-    thread, as single_threaded_llm explains: on a loaded 2-core machine, 8 continuations of 64 tokens on the
-    default model outran pytest's 900 s timeout with torch's 2-thread pool. Kept per model and prompt for the
-    session: a shorter continuation is the longer one's start (each step the same computation), so the modules that
-    compare with the same prompts (correctness, KV dtypes) pay for HF's decoding once."""
+    """HF greedy continuation, forced to max_new_tokens (ignore EOS), one prompt at a time (no padding). Kept per
+    model and prompt for the session: a shorter continuation is the longer one's start (each step the same
+    computation), so the modules that compare with the same prompts (correctness, KV dtypes) pay for HF's decoding
+    once."""
     return hf_greedy_batch(model, [prompt_ids], max_new_tokens, batched=False)[0]
 
 
@@ -336,20 +319,15 @@ def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, batche
     import torch
     kept = _HF_GREEDY.setdefault(model, {})
     todo = list(dict.fromkeys(tuple(p) for p in prompts if len(kept.get(tuple(p), ())) < max_new_tokens))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            for group in ([todo] if batched else [[p] for p in todo]) if todo else []:
-                width = max(map(len, group))
-                ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in group])
-                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                     min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-                for p, row in zip(group, out[:, width:].tolist()):
-                    kept[p] = row
-    finally:
-        torch.set_num_threads(threads)
+    with torch.inference_mode():
+        for group in ([todo] if batched else [[p] for p in todo]) if todo else []:
+            width = max(map(len, group))
+            ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            for p, row in zip(group, out[:, width:].tolist()):
+                kept[p] = row
     return [kept[tuple(p)][:max_new_tokens] for p in prompts]
 
 

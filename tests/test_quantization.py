@@ -166,18 +166,13 @@ def engines():
     int16 kernel, as decoding does); and the kept-quantized one in bfloat16 (auto_bf16), the serving dtype on
     CPUs with AVX512-BF16."""
     from tokenmill import LLM
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        made = {q: LLM(dtype="float32", device="cpu", quantization=q, max_model_len=512, kv_cache_memory="64MiB")
-                for q in ("none", "auto", "int8")}
-        for q in ("auto", "int8"):
-            made[f"{q}_small"] = LLM(dtype="float32", device="cpu", quantization=q, max_model_len=512,
-                                     kv_cache_memory="64MiB", max_num_batched_tokens=DENSE_MIN_ROWS)
-        made["auto_bf16"] = LLM(dtype="bfloat16", device="cpu", max_model_len=512, kv_cache_memory="64MiB")
-        yield made
-    finally:
-        torch.set_num_threads(threads)
+    made = {q: LLM(dtype="float32", device="cpu", quantization=q, max_model_len=512, kv_cache_memory="64MiB")
+            for q in ("none", "auto", "int8")}
+    for q in ("auto", "int8"):
+        made[f"{q}_small"] = LLM(dtype="float32", device="cpu", quantization=q, max_model_len=512,
+                                 kv_cache_memory="64MiB", max_num_batched_tokens=DENSE_MIN_ROWS)
+    made["auto_bf16"] = LLM(dtype="bfloat16", device="cpu", max_model_len=512, kv_cache_memory="64MiB")
+    return made
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import single_threaded_llm
 from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.reasoning import REASONING_PARSERS, ReasoningSpec, ReasoningSplitter, ThinkingTracker, reasoning_spec
 from tokenmill.sampling_params import ParamError
@@ -105,7 +104,8 @@ def test_tracker_follows_natural_ends_and_opens():
 
 @pytest.fixture(scope="module")
 def llm():
-    yield from single_threaded_llm(kv_cache_memory="256MiB", max_model_len=1024, reasoning_parser="qwen3")
+    from tokenmill import LLM
+    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024, reasoning_parser="qwen3")
 
 
 def thinking_prompt(llm, question: str) -> str:

@@ -576,8 +576,13 @@ def test_admission_queue_rejects_when_full_or_too_slow_and_sigterm_drains(replic
     router = RouterProcess([*_router_args(replicas_server, "round_robin"), "--max-concurrent-requests", "1",
                             "--max-queued-requests", "1", "--queue-timeout", "1"])
     # ~3 s of the stream must outlast the queue's one-second timeout and the SIGTERM; it then runs to its end, so
-    # its length is the test's cost: 600 tokens is ~6 s on the fastest CPUs here, ~30 s on two AVX2 cores
-    path, body = _long_request("completions", 600)
+    # its length is the test's cost: ~8 s of this machine's decoding (a fixed 600 tokens took 6 s on the fastest
+    # CPUs here and 28 s on two AVX2 cores), timed on a replica first
+    start = time.monotonic()
+    timing = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 32, "ignore_eos": True}
+    assert httpx.post(replicas_server[0].url + "/v1/completions", json=timing, timeout=60).status_code == 200
+    tokens = min(600, max(64, int(8 * 32 / (time.monotonic() - start))))
+    path, body = _long_request("completions", tokens)
     chat = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     try:
         with ThreadPoolExecutor(3) as pool, httpx.stream("POST", router.url + path, json=body, timeout=120) as long:
@@ -598,7 +603,7 @@ def test_admission_queue_rejects_when_full_or_too_slow_and_sigterm_drains(replic
             assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
             reading.result()
         events = _events(b"".join(received))
-        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 600
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == tokens
         assert router.proc.wait(30) == 0
     finally:
         router.stop()
