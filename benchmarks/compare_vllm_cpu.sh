@@ -5,7 +5,9 @@
 #   benchmarks/compare_vllm_cpu.sh [DTYPE] [OUT_DIR]     (DTYPE bfloat16 or float32; vLLM from ../shared/peers;
 #                                                        CONCURRENCY: levels, default 1,8,32,64;
 #                                                        TOKENMILL_ARGS: more `tokenmill serve` flags, e.g.
-#                                                        "--quantization none" for the dense model)
+#                                                        "--quantization none" for the dense model;
+#                                                        VLLM_FIRST=1: vLLM runs each level first, to run the
+#                                                        two orders where the host's speed drifts)
 set -euo pipefail
 DTYPE=${1:-bfloat16}
 PREC=$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)
@@ -23,7 +25,9 @@ TM=$!
 trap 'kill $TM $VLLM 2>/dev/null || true' EXIT
 until curl -sf http://127.0.0.1:8000/health/ready > /dev/null; do sleep 2; done
 until curl -sf http://127.0.0.1:8100/v1/models > /dev/null; do sleep 2; done
-$PY/tokenmill bench serve --compare tokenmill=http://127.0.0.1:8000 vllm-cpu=http://127.0.0.1:8100 \
+TARGETS=(tokenmill=http://127.0.0.1:8000 vllm-cpu=http://127.0.0.1:8100)
+[ "${VLLM_FIRST:-0}" = 1 ] && TARGETS=("${TARGETS[1]}" "${TARGETS[0]}")
+$PY/tokenmill bench serve --compare "${TARGETS[@]}" \
   --dataset random --input-len 256 --output-len 128 --concurrency "${CONCURRENCY:-1,8,32,64}" --requests-per-stream 2 \
   --warmup 4 --ignore-eos --precision "$PREC" --slo ttft_p99_ms=2000,itl_p50_ms=100 --seed "${SEED:-1130}" \
   --output-dir "$OUT" 2>&1 | tee "$OUT/bench.txt"
