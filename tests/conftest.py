@@ -72,19 +72,13 @@ def server(servers):
 
 
 @pytest.fixture(scope="session")
-def shared_llm():
+def llm():
     """The offline LLM on the default model that the engine-API tests share (LLM.generate, beam search,
     structured output, bench step): the model loads once. quantization none: logprobs and beams are compared with
     HF's float32 model on the dequantized GGUF weights; 512 MiB of KV cache cannot hold one sequence of the
     model's 8192 positions, so the length is capped."""
     from tokenmill import LLM
     return LLM(dtype="float32", kv_cache_memory="512MiB", max_model_len=2048, quantization="none")
-
-
-@pytest.fixture(scope="module")
-def llm(shared_llm):
-    """shared_llm, under the name the engine-API modules use."""
-    return shared_llm
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +164,7 @@ def tokenizer(default_gguf):
 # test that starts a server itself (RemoteServer, `tokenmill serve`, `bench serve --launch`) or runs long for
 # another reason carries @pytest.mark.slow, or its module a pytestmark.
 SERVER_FIXTURES = {"servers", "server", "lone_server", "obs_server", "tool_server"}
-SLOW_FIXTURES = SERVER_FIXTURES | {"hf_reference", "shared_llm"}
+SLOW_FIXTURES = SERVER_FIXTURES | {"hf_reference", "llm"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -578,9 +578,9 @@ def test_admission_queue_rejects_when_full_or_too_slow_and_sigterm_drains(replic
     # ~3 s of the stream must outlast the queue's one-second timeout and the SIGTERM; it then runs to its end, so
     # its length is the test's cost: ~8 s of this machine's decoding (a fixed 600 tokens took 6 s on the fastest
     # CPUs here and 28 s on two AVX2 cores), timed on a replica first
+    path, body = _long_request("completions", 32)
     start = time.monotonic()
-    timing = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 32, "ignore_eos": True}
-    assert httpx.post(replicas_server[0].url + "/v1/completions", json=timing, timeout=60).status_code == 200
+    assert httpx.post(replicas_server[0].url + path, json=body, timeout=60).status_code == 200
     tokens = min(600, max(64, int(8 * 32 / (time.monotonic() - start))))
     path, body = _long_request("completions", tokens)
     chat = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}

@@ -124,33 +124,38 @@ constexpr std::array<std::array<GemmBlock, 2>, sizeof...(Rs)> gemm_blocks(std::i
 }
 constexpr auto kGemmBlocks = gemm_blocks(std::make_integer_sequence<int, kGemmRows>());
 
-// y [M, Np] = x [M, K] W^T (+ bias), W packed [Np / VL][K][VL] float32; the threads split the panel pairs.
+// Panel pairs [begin, end) of y [M, Np], over every K slice and chunk of rows: the span's K slice of the weight
+// stays in cache while every chunk passes over it (kGemmSpan).
+void f32_gemm_span(const float* x, int64_t xs, int64_t M, int64_t K, const float* w, int64_t panels,
+                   const float* bias, float* y, int64_t begin, int64_t end) {
+  const int64_t Np = panels * VL;
+  for (int64_t k0 = 0; k0 < K; k0 += kGemmK) {
+    const int64_t kc = std::min(kGemmK, K - k0);
+    for (int64_t c0 = 0; c0 < M; c0 += kGemmChunk) {
+      const int64_t c1 = std::min(M, c0 + kGemmChunk);
+      for (int64_t p0 = begin * 2; p0 < end * 2; p0 += 2) {
+        const int np = static_cast<int>(std::min<int64_t>(2, panels - p0));
+        const float* b = bias ? bias + p0 * VL : nullptr;
+        for (int64_t m0 = c0; m0 < c1; m0 += kGemmRows) {
+          const int r = static_cast<int>(std::min<int64_t>(kGemmRows, c1 - m0));
+          kGemmBlocks[r - 1][np - 1](x + m0 * xs + k0, xs, w + p0 * K * VL + k0 * VL, K * VL, kc, b, k0 == 0,
+                                     y + m0 * Np + p0 * VL, Np);
+        }
+      }
+    }
+  }
+}
+
+// y [M, Np] = x [M, K] W^T (+ bias), W packed [Np / VL][K][VL] float32; the threads split the panel pairs, and
+// each takes its own kGemmSpan pairs at a time.
 void f32_gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0), panels = packed.size(0), Np = panels * VL;
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t first, int64_t last) {
-    for (int64_t begin = first; begin < last; begin += kGemmSpan) {
-      const int64_t end = std::min(last, begin + kGemmSpan);
-      for (int64_t k0 = 0; k0 < K; k0 += kGemmK) {
-        const int64_t kc = std::min(kGemmK, K - k0);
-        for (int64_t c0 = 0; c0 < M; c0 += kGemmChunk) {
-          const int64_t c1 = std::min(M, c0 + kGemmChunk);
-          for (int64_t pair = begin; pair < end; ++pair) {
-            const int64_t p0 = pair * 2;
-            const int np = static_cast<int>(std::min<int64_t>(2, panels - p0));
-            const float* w = wp + p0 * K * VL + k0 * VL;
-            const float* b = bias ? bias + p0 * VL : nullptr;
-            for (int64_t m0 = c0; m0 < c1; m0 += kGemmRows) {
-              const int r = static_cast<int>(std::min<int64_t>(kGemmRows, c1 - m0));
-              kGemmBlocks[r - 1][np - 1](xp + m0 * xs + k0, xs, w, K * VL, kc, b, k0 == 0,
-                                         yp + m0 * Np + p0 * VL, Np);
-            }
-          }
-        }
-      }
-    }
+    for (int64_t begin = first; begin < last; begin += kGemmSpan)
+      f32_gemm_span(xp, x.stride(0), M, K, wp, panels, bias, yp, begin, std::min(last, begin + kGemmSpan));
   });
 }
 
