@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from tokenmill.engine.kv_blocks import BlockLayout, pack, unpack
+from tokenmill.engine.kv_blocks import BlockLayout, unpack
 
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 30, 1000, 16, 3, 64  # SmolLM2-135M's KV, float32
 
@@ -46,7 +46,7 @@ def main() -> None:
               for _ in range(LAYERS)]
     layout = BlockLayout(caches, {"benchmark": "kv_write_contention"})
     key, block_hash = layout.key(), b"h" * 32
-    entries = [pack(key, block_hash, p) for p in layout.read(list(range(0, 250, 2)))]
+    entries = layout.entries(list(range(0, 250, 2)), [block_hash] * 125)
     targets = list(range(300, 550, 2))
     weights, x = [torch.randn(576, 576) for _ in range(8)], torch.randn(4, 576)
 

@@ -7,9 +7,10 @@ and its block hash, and a checksum of the payload: `unpack` returns None, with t
 short, corrupted, or was written by another layout or for another block. A wrong token is never an option;
 recomputing is.
 
-Reading and writing blocks copies between the pool and host bytes with torch, which releases the GIL, so a tier's
-worker thread can do it while the step loop runs other blocks. The caller guarantees that nobody writes a block
-while it is read (a saved block is pinned) and nobody reads one while it is written (a loading request owns it)."""
+Reading and writing blocks copies between the pool and host bytes (numpy for a CPU pool, torch for a device's; both
+release the GIL while they copy), so a tier's worker thread can do it while the step loop runs. The caller
+guarantees that nobody writes a block while it is read (a saved block is pinned) and nobody reads one while it is
+written (a loading request owns it)."""
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,6 @@ def checksum(payload) -> int:
     return zlib.crc32(payload)
 
 
-def pack(layout_key: bytes, block_hash: bytes, payload) -> bytes:
-    return b"".join((_HEADER.pack(MAGIC, layout_key, block_hash, len(payload), checksum(payload)), payload))
 
 
 def unpack(entry: bytearray | bytes | memoryview | None, layout_key: bytes,
@@ -116,31 +115,48 @@ class BlockLayout:
             self._key = digest.digest()
         return self._key
 
+    def entries(self, block_ids: list[int], block_hashes: list[bytes]) -> list[memoryview]:
+        """The blocks as entries (header, then payload: what a tier stores and a transfer sends), one view per
+        block into one new array. Each payload is gathered from the pool straight behind its header's place, so
+        a block is copied once and never joined to its header (a join copies it again); the array is np.empty,
+        not a bytearray, whose zero-fill of fresh pages cost more than the gather (92 MB, a 2,000-token prompt of
+        the default model in float32: 83 ms read and 42 ms packed that way, ~45 ms in all this way)."""
+        rows = self._gather(block_ids)
+        key = self.key()
+        for row, block_hash in zip(rows, block_hashes):
+            payload = memoryview(row)[HEADER_SIZE:]
+            _HEADER.pack_into(row, 0, MAGIC, key, block_hash, len(payload), checksum(payload))
+        return [memoryview(row) for row in rows]
+
     def read(self, block_ids: list[int]) -> list[memoryview]:
-        """The blocks' bytes (copies: a block may be reused once this returns), one view per block. Two copies per
-        layer whatever the number of blocks, so that the Python overhead (and the GIL the step loop wants) is paid
-        per batch, not per block."""
+        """The blocks' bytes (copies: a block may be reused once this returns), one view per block."""
+        return [memoryview(row)[HEADER_SIZE:] for row in self._gather(block_ids)]
+
+    def _gather(self, block_ids: list[int]) -> np.ndarray:
+        """[n, HEADER_SIZE + block_bytes]: each block's bytes behind room for its header. Two copies per layer
+        whatever the number of blocks, so that the Python overhead (and the GIL the step loop wants) is paid per
+        batch, not per block."""
         n = len(block_ids)
-        out = bytearray(n * self.block_bytes)
-        view = memoryview(out)
+        rows = np.empty((n, HEADER_SIZE + self.block_bytes), dtype=np.uint8)
+        offset = HEADER_SIZE
         if self._host is not None:
-            rows = np.frombuffer(out, dtype=np.uint8).reshape(n, self.block_bytes)
-            ids = np.asarray(block_ids)
-            offset = 0
+            ids = np.asarray(block_ids, dtype=np.intp)
+            if n and not (0 <= ids.min() and ids.max() < self._host[0][0].shape[0]):
+                raise IndexError(f"block ids {block_ids} outside the pool")
             for k, v in self._host:
                 for cache in (k, v):
-                    rows[:, offset:offset + cache.shape[1]] = cache[ids]
+                    # into the rows' columns in place (mode "clip": "raise" would buffer a copy; checked above)
+                    np.take(cache, ids, axis=0, out=rows[:, offset:offset + cache.shape[1]], mode="clip")
                     offset += cache.shape[1]
-            return [view[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(n)]
-        host = torch.frombuffer(out, dtype=torch.uint8).view(n, self.block_bytes)
+            return rows
+        host = torch.from_numpy(rows)
         ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
-        offset = 0
         for (k, v, _), (kb, vb) in zip(self.kv_caches, self.slice_bytes):
             for cache, size in ((k, kb), (v, vb)):
                 host[:, offset:offset + size].copy_(as_bytes(cache).index_select(0, ids).reshape(n, -1)
                                                     .view(torch.uint8))
                 offset += size
-        return [view[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(n)]
+        return rows
 
     def write(self, block_ids: list[int], payloads: list) -> None:
         """Writes blocks' bytes (from read(), possibly in another process) into these blocks of this pool."""
@@ -148,23 +164,25 @@ class BlockLayout:
         if not n:
             return
         assert all(len(p) == self.block_bytes for p in payloads)
-        # Block by block into one array, not bytearray().join: a join copies every block in one call that holds
-        # the GIL (~30 ms for a 2,000-token prompt of the default model in float32), and the tier's worker runs
-        # below the step loop's priority (kv_offload.py), so the OS preempts it mid-join while the step loop waits
-        # for the GIL. On one AVX2 core, beside a worker (at nice 10) writing such prompts without pause, a
-        # decode-sized loop of torch ops that takes 24-30 ms alone took up to 84-100 ms with the join, and at most
-        # 39-41 ms this way (benchmarks/kv_write_contention.py, pd-disagg.md).
-        rows = np.empty((n, self.block_bytes), dtype=np.uint8)
+        if self._host is not None:
+            # Each payload's slices straight into the pool: one copy, no array to join them in first. A join
+            # (bytearray().join) copies every block in one call that holds the GIL (~30 ms for a 2,000-token prompt
+            # of the default model in float32), and the tier's worker runs below the step loop's priority
+            # (kv_offload.py), so the OS preempts it mid-join while the step loop waits for the GIL. On one AVX2
+            # core, beside a worker (at nice 10) writing such prompts without pause, a decode-sized loop of torch
+            # ops that takes 24-30 ms alone took up to 84-100 ms with the join, and at most 39-41 ms block by block
+            # (benchmarks/kv_write_contention.py, pd-disagg.md); these copies are a few microseconds each.
+            for block_id, payload in zip(block_ids, payloads):
+                src = np.frombuffer(payload, dtype=np.uint8)
+                offset = 0
+                for k, v in self._host:
+                    for cache in (k, v):
+                        cache[block_id] = src[offset:offset + cache.shape[1]]
+                        offset += cache.shape[1]
+            return
+        rows = np.empty((n, self.block_bytes), dtype=np.uint8)  # one host array to move to the device
         for row, payload in zip(rows, payloads):
             row[:] = np.frombuffer(payload, dtype=np.uint8)
-        if self._host is not None:
-            ids = np.asarray(block_ids)
-            offset = 0
-            for k, v in self._host:
-                for cache in (k, v):
-                    cache[ids] = rows[:, offset:offset + cache.shape[1]]
-                    offset += cache.shape[1]
-            return
         host = torch.from_numpy(rows)
         ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
         offset = 0

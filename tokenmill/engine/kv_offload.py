@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.engine.kv_blocks import BlockLayout, pack, unpack
+from tokenmill.engine.kv_blocks import BlockLayout, unpack
 from tokenmill.engine.kv_transfer import KVBlockClient, TransferError
 from tokenmill.engine.messages import OffloadStats
 from tokenmill.kv_transfer_params import KVTransferParams
@@ -277,7 +277,7 @@ class KVOffloader:
         for job in jobs:
             self.quiet.wait()
             key = layout_key[:8] + job.block_hash
-            entry = pack(layout_key, job.block_hash, self.layout.read([job.block_id])[0])
+            entry = self.layout.entries([job.block_id], [job.block_hash])[0]
             for store in writable:
                 if store.contains(key):
                     continue

@@ -2,13 +2,13 @@
 prompt's KV blocks to a decode instance.
 
 Prefill side (kv_producer, kv_both): a request with kv_transfer_params `do_remote_decode` that ends at its length
-limit (vLLM's rule: max_tokens 1, as its proxy sends) keeps its full prompt blocks pinned (a reference held,
-so the pool hands none out) in a KVBlockServer, and its last output carries the kv_transfer_params a decode
-instance needs (vLLM's NixlConnector keys). A thread of the engine process serves the pinned blocks' bytes on a
-ZMQ ROUTER socket bound to kv_ip:kv_port: each block read from the pool (kv_blocks.BlockLayout.read) and packed
-with the layout key, its block hash and a CRC-32 (kv_blocks.pack). The pin ends when the decode instance says it
-is done (its fetch carries `release`), or abort_request_timeout seconds after the request finished (vLLM's
-VLLM_NIXL_ABORT_REQUEST_TIMEOUT): the step loop frees the blocks (take_released), never the server thread.
+limit (vLLM's rule: max_tokens 1, as its proxy sends) keeps its full prompt blocks pinned (a reference held, so the
+pool hands none out) in a KVBlockServer, and its last output carries the kv_transfer_params a decode instance needs
+(vLLM's NixlConnector keys). A thread of the engine process serves the pinned blocks' bytes on a ZMQ ROUTER socket
+bound to kv_ip:kv_port: each block read from the pool behind a header with the layout key, its block hash and a
+CRC-32 (kv_blocks.BlockLayout.entries). The pin ends when the decode instance says it is done (its fetch carries
+`release`), or abort_request_timeout seconds after the request finished (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT):
+the step loop frees the blocks (take_released), never the server thread.
 
 Decode side (kv_consumer, kv_both): a request with `do_remote_prefill` is admitted like a request whose prefix a
 KV tier holds (scheduler.py `_load_from_remote`, kv_offload.py): its blocks past the pool's own prefix hits are
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from tokenmill.engine.kv_blocks import BlockLayout, pack
+from tokenmill.engine.kv_blocks import BlockLayout
 from tokenmill.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger("tokenmill.engine")
@@ -57,7 +57,7 @@ class Fetch(msgspec.Struct, tag="fetch", array_like=True):
 
 
 class Reply(msgspec.Struct, array_like=True):
-    """The first frame of an answer; each entry (kv_blocks.pack of a block asked for, up to the first whose hash
+    """The first frame of an answer; each entry (BlockLayout.entries: a block asked for, up to the first whose hash
     differs) follows in a frame of its own, so that no encoder copies tens of MB (msgpack of a list of entries cost
     as much as reading the blocks from the pool)."""
     error: str | None = None  # None: ok
@@ -237,8 +237,7 @@ class KVBlockServer:
                     break  # another prompt from there on: the decode instance computes the rest
                 ids.append(pin.blocks[i].block_id)
                 hashes.append(block_hash)
-            key = self.layout.key()
-            entries = [pack(key, h, payload) for h, payload in zip(hashes, self.layout.read(ids))] if ids else []
+            entries = self.layout.entries(ids, hashes)
             self.counters.blocks_sent += len(entries)
             self.counters.bytes_sent += sum(len(e) for e in entries)
             return Reply(entries=entries)
