@@ -9,6 +9,7 @@ declared."""
 from __future__ import annotations
 
 import logging
+import re
 
 import httpx
 import pytest
@@ -191,9 +192,10 @@ def test_openapi_documents_every_status(app):
             assert {"400", "413"} <= statuses, (path, statuses)
         assert ("401" in statuses) == path.startswith("/v1/"), (path, statuses)  # InProcessServer has an API key
         for status, response in op["responses"].items():
-            if status != "200" and not path.startswith("/health"):  # LifecycleApp's 503 is plain text
+            if status != "200" and not path.startswith(("/health", "/ping")):  # LifecycleApp's 503: plain text
+                shape = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
                 assert response["content"]["application/json"]["schema"] == {
-                    "$ref": "#/components/schemas/ErrorResponse"}, (path, status)
+                    "$ref": f"#/components/schemas/{shape}"}, (path, status)
     ops = {(path, method): op for path, method, op in _operations(doc)}
     content = {key: op["responses"]["200"]["content"] for key, op in ops.items()}
     # a request that can ask for a stream documents the stream as well as the JSON (a batch of chats refuses stream)
@@ -210,6 +212,8 @@ def test_openapi_documents_every_status(app):
     assert set(content["/dashboard", "get"]) == {"text/html"}
     for path in ("/health", "/health/ready", "/health/live"):
         assert set(content[path, "get"]) == {"text/plain"}
+    assert set(content["/ping", "get"]) == set(content["/ping", "post"]) == {"text/plain"}
+    assert set(content["/v1/messages", "post"]) == {"application/json", "text/event-stream"}
     assert content["/v1/models", "get"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ModelList"}
     assert "Retry-After" in ops["/v1/completions", "post"]["responses"]["503"]["headers"]
     # every $ref resolves; request models and response Structs are both there
@@ -249,6 +253,7 @@ CHECKED_AT_RUN_TIME = {
     None,  # /invocations: a body of a shape this server's runner does not serve
     "length_penalty", "early_stopping",  # only with use_beam_search
     "kv_transfer_params",  # the server's --kv-transfer-config role (none here), the remote fields do_remote_prefill needs
+    "thinking",  # /v1/messages' thinking enabled: a reasoning model only (--reasoning-parser)
 }
 # With use_beam_search, the sampling fields beam search does not honour (tokenmill/server/serving_engine.py)
 REFUSED_WITH_BEAM_SEARCH = {"top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -261,11 +266,12 @@ def refused_only_at_run_time(ctx, response, case) -> bool | None:
     meta = case.meta
     if meta is None or not meta.generation.mode.is_positive or response.status_code != 400:
         return None
-    param = response.json()["error"]["param"]
+    error = response.json()["error"]  # Anthropic's shape (/v1/messages) names the field first in its message
+    param = error["param"] if "param" in error else re.match(r"\w+", error["message"]).group(0)
     value = case.body.get(param) if isinstance(case.body, dict) else None
     if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
         return None  # schemathesis computes bounds in doubles: its "valid" integers near 2**63 can be past them
-    message = response.json()["error"]["message"]
+    message = error["message"]
     if isinstance(value, (str, bool)) and ("must" in message or "finite number" in message):
         return None  # a number as text or as a bool: its bounds (or finiteness: "1E2969702312" parses to inf)
         # apply to it parsed, which the schema's pattern cannot state

@@ -655,8 +655,8 @@ def test_load_correction_predictions_metrics_and_a_span_that_continues_tracepare
 def test_every_endpoint_of_the_replicas_is_served_through_the_router(replicas_server):
     """Each POST and GET a generate replica answers, through the router, answers as the replica does: the Responses
     API (a response continued by previous_response_id, and read back, on whichever replica stores it), /invocations
-    in both of its generate shapes, batch chat, tokenize and detokenize, the pooling routes' answers for a generate
-    model, /version and /tokenizer_info."""
+    in both of its generate shapes, batch chat, Anthropic's Messages API (and its stream), tokenize and detokenize,
+    the pooling routes' answers for a generate model, /version and /tokenizer_info."""
     first, second = replicas_server
     router = RouterProcess(_router_args(replicas_server, "round_robin"))
 
@@ -685,10 +685,15 @@ def test_every_endpoint_of_the_replicas_is_served_through_the_router(replicas_se
                            ("/invocations", chat),
                            ("/invocations", {"model": MODEL, "prompt": "The sky is", "max_tokens": 3,
                                              "temperature": 0}),
-                           ("/v1/chat/completions/batch", {**chat, "messages": [chat["messages"]] * 2})]:
+                           ("/v1/chat/completions/batch", {**chat, "messages": [chat["messages"]] * 2}),
+                           ("/v1/messages", chat),
+                           ("/v1/messages/count_tokens", {"model": MODEL, "messages": chat["messages"]})]:
             via, direct = both("POST", path, body)
             same(via, direct)
             assert via.headers["x-tokenmill-replica"] in (first.url, second.url)
+        streamed = httpx.post(router.url + "/v1/messages", json={**chat, "stream": True}, timeout=120)
+        assert streamed.status_code == 200, streamed.text
+        assert streamed.text.endswith('event: message_stop\ndata: {"type":"message_stop"}\n\n')
         for path in ("/version", "/tokenizer_info"):
             same(*both("GET", path))
 

@@ -98,23 +98,44 @@ def error_info(exc: BaseException) -> p.ErrorInfo:
     return p.ErrorInfo(kind.message.format(exc), kind.type, getattr(exc, "param", None), kind.status)
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> Response:
-    body = p.ErrorResponse(p.ErrorInfo(message, type_, param, status))
+# Anthropic's Messages API (/v1/messages*) answers errors in its own shape, with its own names for three types
+ANTHROPIC_PATHS = "/v1/messages"
+ANTHROPIC_TYPES = {"service_unavailable_error": "overloaded_error", "internal_server_error": "api_error",
+                   "timeout_error": "api_error"}
+
+
+def anthropic_error(info: p.ErrorInfo) -> p.AnthropicErrorResponse:
+    """The field goes in front of the message (Anthropic's has no `param`): "max_tokens: field required"."""
+    message = info.message
+    if info.param and not message.startswith(info.param):
+        message = f"{info.param}: {message}"
+    return p.AnthropicErrorResponse(p.AnthropicError(ANTHROPIC_TYPES.get(info.type, info.type), message))
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   anthropic: bool = False) -> Response:
+    info = p.ErrorInfo(message, type_, param, status)
+    body = anthropic_error(info) if anthropic else p.ErrorResponse(info)
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
 
-def exception_response(exc: BaseException) -> Response:
+def exception_response(exc: BaseException, anthropic: bool = False) -> Response:
+    """anthropic: in the shape of /v1/messages* (is_anthropic)."""
     info = error_info(exc)
-    response = error_response(info.code, info.message, info.type, info.param)
+    response = error_response(info.code, info.message, info.type, info.param, anthropic)
     if error_kind(exc).retry_after:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
 
 
-def http_error_response(exc: StarletteHTTPException) -> Response:
+def is_anthropic(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATHS)
+
+
+def http_error_response(exc: StarletteHTTPException, anthropic: bool = False) -> Response:
     """Starlette's own HTTP errors (an unknown route, a wrong method) in the one error shape."""
     type_ = HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
-    response = error_response(exc.status_code, str(exc.detail), type_)
+    response = error_response(exc.status_code, str(exc.detail), type_, anthropic=anthropic)
     response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110)
     return response
 
@@ -124,6 +145,13 @@ def sse_error_event(exc: BaseException, request_id: str) -> bytes:
     if error_kind(exc) is INTERNAL_ERROR:
         logger.error("internal error while streaming %s", request_id, exc_info=exc)
     return b"data: " + msgspec.json.encode(p.ErrorResponse(error_info(exc))) + b"\n\n"
+
+
+def anthropic_error_event(exc: BaseException, request_id: str) -> bytes:
+    """sse_error_event for a /v1/messages stream: Anthropic's `error` event."""
+    if error_kind(exc) is INTERNAL_ERROR:
+        logger.error("internal error while streaming %s", request_id, exc_info=exc)
+    return b"event: error\ndata: " + msgspec.json.encode(anthropic_error(error_info(exc))) + b"\n\n"
 
 
 _BOUND_ERRORS = ("greater_than_equal", "greater_than", "less_than_equal", "less_than")
@@ -157,16 +185,17 @@ def _out_of_bounds(where: str, top_level: bool, error: dict) -> str:
     return f"{where} must be {words[k]}, got {value}"
 
 
-def _validation_error_response(exc: RequestValidationError) -> Response:
+def _validation_error_response(exc: RequestValidationError, anthropic: bool = False) -> Response:
     """pydantic's 422 becomes OpenAI's 400, naming the first offending field."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [x for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx", {}).get("error", "")
-        return exception_response(ParamError(f"The request body is not valid JSON: {ctx}".rstrip(": ")))
+        return exception_response(ParamError(f"The request body is not valid JSON: {ctx}".rstrip(": ")),
+                                  anthropic)
     if first.get("type") == "value_error" and isinstance(first.get("ctx", {}).get("error"), ParamError):
-        return exception_response(first["ctx"]["error"])  # a model validator's own error, param and all
+        return exception_response(first["ctx"]["error"], anthropic)  # a model validator's own error
     where = ".".join(str(x) for x in loc) or "body"
     if first.get("type") == "missing":
         message = f"{where}: field required"
@@ -174,25 +203,25 @@ def _validation_error_response(exc: RequestValidationError) -> Response:
         message = _out_of_bounds(where, len(loc) == 1, first)
     else:
         message = f"{where}: {first.get('msg')} (got {first.get('input')!r})"
-    return exception_response(ParamError(message, str(loc[0]) if loc else None))
+    return exception_response(ParamError(message, str(loc[0]) if loc else None), anthropic)
 
 
 def add_error_handlers(app: FastAPI) -> None:
     async def on_error(request: Request, exc: Exception) -> Response:
-        return exception_response(exc)
+        return exception_response(exc, is_anthropic(request.url.path))
 
     for cls in ERRORS:
         app.add_exception_handler(cls, on_error)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        return _validation_error_response(exc)
+        return _validation_error_response(exc, is_anthropic(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        return http_error_response(exc)
+        return http_error_response(exc, is_anthropic(request.url.path))
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, exc: Exception):
         logger.exception("internal error on %s %s", request.method, request.url.path)
-        return exception_response(exc)
+        return exception_response(exc, is_anthropic(request.url.path))

@@ -20,7 +20,7 @@ from tokenmill.api.errors import ServiceUnavailable, exception_response
 logger = logging.getLogger("tokenmill.server")
 
 # Paths that are about the server rather than work for it: always answered, never counted as in flight.
-CONTROL_PATHS = ("/health", "/health/ready", "/health/live", "/metrics", "/version", "/dashboard")
+CONTROL_PATHS = ("/health", "/health/ready", "/health/live", "/ping", "/metrics", "/version", "/dashboard")
 
 
 class Lifecycle:
@@ -112,9 +112,12 @@ class LifecycleApp:
             path = path[len(root):] or "/"
         if path.startswith("/health") and path in CONTROL_PATHS and scope["method"] != "GET":
             return await _plain(send, 405, b"", [(b"allow", b"GET")])  # as FastAPI answers for its routes
+        if path == "/ping" and scope["method"] not in ("GET", "POST"):
+            return await _plain(send, 405, b"", [(b"allow", b"GET, POST")])
         if path == "/health/live":  # liveness: the process answers
             return await _plain(send, 200, b"")
-        if path in ("/health", "/health/ready"):  # readiness: a request now would be served
+        if path in ("/health", "/health/ready", "/ping"):  # readiness: a request now would be served (/ping:
+            # SageMaker's health check, which vLLM answers as /health, on GET and POST)
             ok = lc.phase == "ready" and lc.engine_alive()
             why = b"" if ok else (lc.phase.encode() if lc.engine_alive() else b"engine dead")
             return await _plain(send, 200 if ok else 503, why)

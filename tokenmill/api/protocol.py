@@ -211,6 +211,17 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
 
 
+class AnthropicError(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(msgspec.Struct, tag_field="type", tag="error"):
+    """The error body of /v1/messages* (Anthropic's shape, which its SDK reads, as vLLM's endpoint answers);
+    the message starts with the field it is about, as Anthropic's do."""
+    error: AnthropicError
+
+
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (what a router predicts)
 

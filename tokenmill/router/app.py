@@ -97,8 +97,9 @@ def load_router_tokenizer(config: RouterConfig):
 FORWARDED_POSTS = {
     "/v1/chat/completions": "chat", "/v1/completions": "completions", "/invocations": "invocations",
     "/v1/responses": "responses",
-    **dict.fromkeys(("/v1/chat/completions/batch", "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank",
-                     "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize"), "other")}
+    **dict.fromkeys(("/v1/chat/completions/batch", "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings",
+                     "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/tokenize",
+                     "/detokenize"), "other")}
 # GETs that any replica answers alike
 FORWARDED_GETS = ("/version", "/tokenizer_info")
 

@@ -33,6 +33,7 @@ from tokenmill.server.server_state import ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_completion import OpenAIServingCompletion
 from tokenmill.server.serving_embedding import add_embedding_routes
+from tokenmill.server.serving_messages import add_messages_routes
 from tokenmill.server.serving_models import OpenAIServingModels, add_model_routes
 from tokenmill.server.serving_responses import add_responses_routes
 from tokenmill.server.serving_score import add_score_routes
@@ -66,7 +67,8 @@ def build_app(state: ServerState) -> FastAPI:
 
 # The routes GET /load counts (vLLM's load_aware_call): those that run the model.
 LOAD_TRACKED_PATHS = frozenset({
-    "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses", "/v1/embeddings",
+    "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses", "/v1/messages",
+    "/v1/embeddings",
     "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations"})
 
 
@@ -133,6 +135,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return {"server_load": state.server_load}
 
     add_responses_routes(app, state)
+    add_messages_routes(app, state)
     add_embedding_routes(app, state)
     add_score_routes(app, state)
 

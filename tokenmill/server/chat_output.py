@@ -133,3 +133,88 @@ class ChatOutputParser:
             deltas.append(chp.DeltaMessage(tool_calls=[call]))
         return deltas
 
+
+
+class DeltaAssembler:
+    """A ChatOutputParser's deltas → the parts of an output that another API shapes them into (the Responses API's
+    items, the Messages API's content blocks) and, when streaming, the events that build them. A part stays open
+    until another kind starts or the output ends. Whitespace before any visible text waits: a text part opens
+    with its first visible text, so that the blank line a model writes before a tool call is no part of its own.
+
+    A subclass says what the parts are (new_reasoning, new_text, new_call; REASONING and TEXT, their types) and
+    what growing one sends (opened, append_text: reasoning or visible text, append_arguments, close)."""
+    REASONING: type
+    TEXT: type
+
+    def __init__(self, streaming: bool):
+        self.streaming = streaming
+        self.parts: list = []
+        self.open = None
+        self.pending = ""
+        self.events: list[bytes] = []
+
+    def take_events(self) -> list[bytes]:
+        events, self.events = self.events, []
+        return events
+
+    def add(self, deltas: list[chp.DeltaMessage]) -> None:
+        for d in deltas:
+            if d.reasoning_content:
+                if not isinstance(self.open, self.REASONING):
+                    self._open(self.new_reasoning())
+                self.append_text(d.reasoning_content)
+            if d.content:
+                self._content(d.content)
+            for call in d.tool_calls or []:
+                if call.id is not None:  # a call's first delta; a named function's arguments then stream on
+                    self._open(self.new_call(call.function.name))
+                if call.function.arguments:
+                    self.append_arguments(call.function.arguments)
+
+    def finish(self, status: str = "completed") -> None:
+        """Closes the last part. An output with nothing visible is still one text part."""
+        if not self.parts:
+            text, self.pending = self.pending, ""
+            self._open(self.new_text())
+            if text:
+                self.append_text(text)
+        self.close(status)
+
+    def _content(self, text: str) -> None:
+        if not isinstance(self.open, self.TEXT):
+            self.pending += text
+            if not self.pending.strip():
+                return
+            text, self.pending = self.pending, ""
+            self._open(self.new_text())
+        self.append_text(text)
+
+    def _open(self, part) -> None:
+        self.close("completed")
+        self.parts.append(part)
+        self.open = part
+        self.opened(part)
+
+    # ---- what a subclass defines ----
+
+    def new_reasoning(self):
+        raise NotImplementedError
+
+    def new_text(self):
+        raise NotImplementedError
+
+    def new_call(self, name: str):
+        raise NotImplementedError
+
+    def opened(self, part) -> None:
+        """The events of a part that has just opened (it is self.open, last of self.parts)."""
+
+    def append_text(self, text: str) -> None:
+        raise NotImplementedError
+
+    def append_arguments(self, arguments: str) -> None:
+        raise NotImplementedError
+
+    def close(self, status: str) -> None:
+        """Ends self.open, if any (status: "completed", or "incomplete" when the output was cut short)."""
+        raise NotImplementedError

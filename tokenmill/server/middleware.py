@@ -6,7 +6,7 @@ import hmac
 import time
 import uuid
 
-from tokenmill.api.errors import RequestTooLarge, Unauthorized, exception_response
+from tokenmill.api.errors import RequestTooLarge, Unauthorized, exception_response, is_anthropic
 from tokenmill.logs import request_id_var
 
 
@@ -37,18 +37,23 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Requires 'Authorization: Bearer KEY' on /v1/*."""
+    """Requires 'Authorization: Bearer KEY' on /v1/*; on /v1/messages*, 'x-api-key: KEY' (the anthropic SDK's
+    header) will do too."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            anthropic = is_anthropic(scope["path"])
+            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+                    or (anthropic and hmac.compare_digest(headers.get(b"x-api-key", b""), self.key))):
+                how = "'x-api-key: <key>' or " if anthropic else ""
                 response = exception_response(
-                    Unauthorized("Invalid or missing API key: send 'Authorization: Bearer <key>'."))
+                    Unauthorized(f"Invalid or missing API key: send {how}'Authorization: Bearer <key>'."), anthropic)
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from tokenmill.api import chat_protocol as chp, completion_protocol as cp, protocol as p
+from tokenmill.api.errors import is_anthropic
+from tokenmill.server import messages_protocol as msg
 from tokenmill.server import models_protocol as mp
 from tokenmill.server import pooling_protocol as pp
 from tokenmill.server import responses_protocol as rp
@@ -25,7 +27,8 @@ JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
 RESPONSE_STRUCTS = (p.ErrorResponse, mp.ModelList, cp.CompletionResponse, cp.CompletionStreamResponse,
                     chp.ChatCompletionResponse,
                     chp.ChatCompletionChunk, chp.ChatCompletionUsageChunk, tp.TokenizeResponse, tp.DetokenizeResponse,
-                    *pp.RESPONSE_STRUCTS, rp.ResponseObject, *rp.STREAM_EVENTS)
+                    *pp.RESPONSE_STRUCTS, rp.ResponseObject, *rp.STREAM_EVENTS, msg.Message, msg.TokenCount,
+                    *msg.STREAM_EVENTS)
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -39,6 +42,15 @@ def _events(*chunks: str) -> dict[str, Any]:
                "contentSchema": {"anyOf": [_ref(name) for name in (*chunks, "ErrorResponse")]}}
     return {"type": "object", "required": ["data"],
             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, payload]}}}
+
+
+def _named_events(*structs: type) -> dict[str, Any]:
+    """One event of an Anthropic stream (/v1/messages): its type in the `event:` line, its JSON in `data:` (an
+    error event last, if it fails after its 200; no [DONE])."""
+    return {"type": "object", "required": ["event", "data"],
+            "properties": {"event": {"enum": [s.__struct_config__.tag for s in structs]},
+                           "data": {"type": "string", "contentMediaType": JSON,
+                                    "contentSchema": {"anyOf": [_ref(s.__name__) for s in structs]}}}}
 
 
 STRING = {"type": "string"}
@@ -63,6 +75,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                                        SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk")},
     ("/v1/responses", "post"): {JSON: _ref("ResponseObject"), SSE: _events(*(e.__name__ for e in rp.STREAM_EVENTS))},
     ("/v1/responses/{response_id}", "get"): {JSON: _ref("ResponseObject")},
+    ("/v1/messages", "post"): {JSON: _ref("Message"), SSE: _named_events(*msg.STREAM_EVENTS)},
+    ("/v1/messages/count_tokens", "post"): {JSON: _ref("TokenCount")},
     ("/v1/chat/completions/batch", "post"): {JSON: _ref("ChatCompletionResponse")},
     ("/invocations", "post"): {  # whichever endpoint the body's shape selects (invocations.py)
         JSON: {"anyOf": [_ref(name) for name in ("ChatCompletionResponse", "CompletionResponse", "EmbeddingResponse",
@@ -95,6 +109,7 @@ HEALTH = {
     "/health": ("Ready: 200 when a request now would be served (as vLLM's /health).", True),
     "/health/ready": ("Ready: the same as /health.", True),
     "/health/live": ("Alive: 200 while the process answers, loading included.", False),
+    "/ping": ("SageMaker's health check: the same as /health, on GET and POST (as vLLM).", True),
 }
 
 
@@ -159,8 +174,11 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     schemas.update(structs)
     for path, (summary, may_fail) in HEALTH.items():
         responses = {"200": _plain("Yes.")} | ({"503": _plain("No: the phase, or why not.")} if may_fail else {})
-        doc["paths"][path] = {"get": {"summary": summary, "operationId": path.strip("/").replace("/", "_"),
-                                      "responses": responses}}
+        methods = ("get", "post") if path == "/ping" else ("get",)
+        doc["paths"][path] = {method: {"summary": summary, "responses": responses,
+                                       "operationId": "_".join([path.strip("/").replace("/", "_")] + list(methods[1:]
+                                                                                                   and [method]))}
+                              for method in methods}
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if path in HEALTH:
@@ -173,7 +191,7 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
             if api_key and path.startswith("/v1/"):
                 op["security"] = [{"apiKey": []}]
             for status in _error_statuses(path, op, schemas, api_key):
-                responses[str(status)] = _error(status)
+                responses[str(status)] = _error(status, is_anthropic(path))
     if api_key:
         doc["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
     return doc
@@ -199,8 +217,10 @@ def _plain(description: str) -> dict[str, Any]:
     return {"description": description, "content": {TEXT: {"schema": STRING}}}
 
 
-def _error(status: int) -> dict[str, Any]:
-    response = {"description": ERRORS[status], "content": {JSON: {"schema": _ref("ErrorResponse")}}}
+def _error(status: int, anthropic: bool = False) -> dict[str, Any]:
+    """anthropic: /v1/messages*, whose errors have Anthropic's shape."""
+    schema = _ref("AnthropicErrorResponse" if anthropic else "ErrorResponse")
+    response = {"description": ERRORS[status], "content": {JSON: {"schema": schema}}}
     if status == 503:
         response["headers"] = {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}
     return response

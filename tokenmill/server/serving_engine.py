@@ -321,11 +321,12 @@ class OpenAIServing:
 
     @staticmethod
     def stream_response(stream: GenerationStream, first: bytes, events_for: Callable[[SampleDelta], list[bytes]],
-                        usage_event: Callable[[int], bytes] | None, done: bytes = DONE) -> EventStreamResponse:
+                        usage_event: Callable[[int], bytes] | None, done: bytes = DONE,
+                        error_event: Callable[[BaseException, str], bytes] = sse_error_event) -> EventStreamResponse:
         """A streamed response. Its SSE body: `first`, then the events of each delta as the engine produces them
         (one write per batch), then the usage chunk (given the number of generated tokens) when asked for, then
-        `done` ([DONE]; the Responses API sends nothing). A failure after the status line went out ends the stream
-        with an error event. The stream is closed when its output ends, or when the response does if the client
+        `done` ([DONE]; the Responses and Messages APIs send nothing). A failure after the status line went out ends
+        the stream with an error event (error_event's). The stream is closed when its output ends, or when the response does if the client
         left before the body began."""
         async def body() -> AsyncIterator[bytes]:
             num_tokens = 0
@@ -341,7 +342,7 @@ class OpenAIServing:
                         if events:
                             yield b"".join(events)
                 except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream, then end it
-                    yield sse_error_event(e, stream.request_id) + done
+                    yield error_event(e, stream.request_id) + done
                     return
             if usage_event is not None:
                 yield usage_event(num_tokens)

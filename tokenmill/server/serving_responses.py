@@ -20,7 +20,7 @@ from tokenmill.api import chat_protocol as chp, protocol as p
 from tokenmill.reasoning import ReasoningSplitter
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from tokenmill.server import responses_protocol as rp
-from tokenmill.server.chat_output import ChatOutputParser
+from tokenmill.server.chat_output import ChatOutputParser, DeltaAssembler
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
 from tokenmill.server.server_state import ServerState
@@ -121,19 +121,18 @@ def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
 
 # ============================== deltas → items and events ==============================
 
-class OutputAssembler:
-    """The ChatOutputParser's deltas → the response's output items and, when streaming, the SSE events that build
-    them (numbered in order). An item stays open until another kind starts or the output ends. Whitespace before
-    any visible text waits: a message opens with its first visible text, so that the blank line a model writes
-    before a tool call is no message of its own."""
+class OutputAssembler(DeltaAssembler):
+    """The ChatOutputParser's deltas → the response's output items (reasoning, message, function call) and, when
+    streaming, the SSE events that build them (numbered in order)."""
+    REASONING, TEXT = rp.ReasoningItem, rp.OutputMessage
 
     def __init__(self, streaming: bool):
-        self.streaming = streaming
-        self.items: list[rp.OutputMessage | rp.FunctionCallItem | rp.ReasoningItem] = []
-        self.open: rp.OutputMessage | rp.FunctionCallItem | rp.ReasoningItem | None = None
-        self.pending = ""
+        super().__init__(streaming)
         self.sequence_number = 0
-        self.events: list[bytes] = []
+
+    @property
+    def items(self) -> list[rp.OutputMessage | rp.FunctionCallItem | rp.ReasoningItem]:
+        return self.parts
 
     def emit(self, event_type: type, name: str, *fields) -> None:
         """Encoded at once: the items in an event are mutated afterwards."""
@@ -141,50 +140,17 @@ class OutputAssembler:
             self.events.append(sse_frame(event_type(name, self.sequence_number, *fields)))
             self.sequence_number += 1
 
-    def take_events(self) -> list[bytes]:
-        events, self.events = self.events, []
-        return events
+    def new_reasoning(self) -> rp.ReasoningItem:
+        return rp.ReasoningItem(id=new_id("rs"), status="in_progress")
 
-    def add(self, deltas: list[chp.DeltaMessage]) -> None:
-        for d in deltas:
-            if d.reasoning_content:
-                if not isinstance(self.open, rp.ReasoningItem):
-                    self._open(rp.ReasoningItem(id=new_id("rs"), status="in_progress"))
-                self._append_text(d.reasoning_content)
-            if d.content:
-                self._content(d.content)
-            for call in d.tool_calls or []:
-                if call.id is not None:  # a call's first delta; a named function's arguments then stream on
-                    self._open(rp.FunctionCallItem(id=new_id("fc"), call_id=new_id("call"), name=call.function.name,
-                                                   arguments="", status="in_progress"))
-                if call.function.arguments:
-                    self.open.arguments += call.function.arguments
-                    self.emit(rp.ArgumentsDeltaEvent, "response.function_call_arguments.delta", self.open.id,
-                              len(self.items) - 1, call.function.arguments)
+    def new_text(self) -> rp.OutputMessage:
+        return rp.OutputMessage(id=new_id("msg"), status="in_progress")
 
-    def finish(self, incomplete: bool) -> None:
-        """Closes the last item ("incomplete" when cut by max_output_tokens). An output with nothing visible is
-        still one message, so that output_text is a string."""
-        if not self.items:
-            text, self.pending = self.pending, ""
-            self._open(rp.OutputMessage(id=new_id("msg"), status="in_progress"))
-            if text:
-                self._append_text(text)
-        self._close("incomplete" if incomplete else "completed")
+    def new_call(self, name: str) -> rp.FunctionCallItem:
+        return rp.FunctionCallItem(id=new_id("fc"), call_id=new_id("call"), name=name, arguments="",
+                                   status="in_progress")
 
-    def _content(self, text: str) -> None:
-        if not isinstance(self.open, rp.OutputMessage):
-            self.pending += text
-            if not self.pending.strip():
-                return
-            text, self.pending = self.pending, ""
-            self._open(rp.OutputMessage(id=new_id("msg"), status="in_progress"))
-        self._append_text(text)
-
-    def _open(self, item) -> None:
-        self._close("completed")
-        self.items.append(item)
-        self.open = item
+    def opened(self, item) -> None:
         index = len(self.items) - 1
         self.emit(rp.OutputItemEvent, "response.output_item.added", index, item)
         if not isinstance(item, rp.FunctionCallItem):
@@ -197,13 +163,18 @@ class OutputAssembler:
         """The event-name stem of an item's text, and the logprobs its events carry (output text only)."""
         return ("output_text", []) if isinstance(item, rp.OutputMessage) else ("reasoning_text", None)
 
-    def _append_text(self, text: str) -> None:
+    def append_text(self, text: str) -> None:
         item = self.open
         item.content[0].text += text
         kind, logprobs = self._text_events(item)
         self.emit(rp.TextDeltaEvent, f"response.{kind}.delta", item.id, len(self.items) - 1, 0, text, logprobs)
 
-    def _close(self, status: str) -> None:
+    def append_arguments(self, arguments: str) -> None:
+        self.open.arguments += arguments
+        self.emit(rp.ArgumentsDeltaEvent, "response.function_call_arguments.delta", self.open.id,
+                  len(self.items) - 1, arguments)
+
+    def close(self, status: str) -> None:
         item, self.open = self.open, None
         if item is None:
             return
@@ -267,7 +238,7 @@ class OpenAIServingResponses(OpenAIServing):
         choice, assembler = choices[0], OutputAssembler(streaming=False)
         assembler.add(parser.feed(choice.text))
         assembler.add(parser.finish())
-        assembler.finish(choice.finish_reason == "length")
+        assembler.finish("incomplete" if choice.finish_reason == "length" else "completed")
         return json_response(self.finished(echo, assembler, choice.finish_reason, prompt_ids, choice.num_tokens,
                                            conversation, req.store))
 
@@ -360,7 +331,7 @@ class OpenAIServingResponses(OpenAIServing):
             if d.finish_reason is not None:
                 finish_reason = d.finish_reason
                 assembler.add(parser.finish())
-                assembler.finish(finish_reason == "length")
+                assembler.finish("incomplete" if finish_reason == "length" else "completed")
             return assembler.take_events()
 
         def last_event(num_tokens: int) -> bytes:
