@@ -118,7 +118,9 @@ async def test_integral_floats_are_integers(app):
 
 LAX_SAMPLES = ["2", " 2\n", "\u30002", "+2", "-0", "1_000", "1__0", "_1", "2.", "2.00", "2.0_0", "2.5", ".5", "5.",
                "1e3", "1E+3", "1e1_0", "-.e3", "1e", "e3", "nan", "inf", "0x10", "\u0662", "", " ", "true", "TRUE",
-               "tRuE", " true", "true\n", "t", "F", "yes", "Y", "no", "n", "on", "OFF", "1", "0", "1.0", "maybe"]
+               "tRuE", " true", "true\n", "t", "F", "yes", "Y", "no", "n", "on", "OFF", "1", "0", "1.0", "maybe",
+               # underscores pydantic takes (or not) next to a dot, an exponent or a sign, and after a leading 0
+               "0_.", "0._5", "._5", "1._", "1_e_5", "1e+_5", "+_1", "_.5", "0__1", "0___0", "0__1__1", "0_"]
 
 
 @pytest.mark.parametrize("kind", ["integer", "number", "boolean"])

@@ -124,19 +124,26 @@ def install_openapi(app: FastAPI, api_key: bool) -> None:
 
 
 # The strings pydantic's lax mode parses (tokenmill/api/protocol.py), as JSON Schema patterns (ECMA-262 and Python
-# alike): an integer or a float with `_` between digits, within the whitespace Rust's trim() strips, and the words
-# for a bool (any case, no whitespace: the lookahead keeps Python's `$` from taking a final newline). The bounds
-# apply to the parsed number, which a pattern cannot state. tests/test_openapi_and_fields.py holds them to pydantic.
+# alike): an integer or a float with `_` where pydantic takes one, within the whitespace Rust's trim() strips, and
+# the words for a bool (any case, no whitespace: the lookahead keeps Python's `$` from taking a final newline). The
+# bounds apply to the parsed number, which a pattern cannot state. tests/test_openapi_and_fields.py holds them to
+# pydantic.
 _WS = "[\\t-\\r \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]*"
 _DIGITS = "[0-9]+(_[0-9]+)*"
-LAX_INT = f"^{_WS}[+-]?{_DIGITS}(\\.0+)?{_WS}$"
+# (a leading 0 may be followed by any run of zeros and underscores: pydantic takes "0__1" as 1)
+LAX_INT = f"^{_WS}[+-]?(0[0_]*)?{_DIGITS}(\\.0+)?{_WS}$"
 
 
 def _float(digits: str) -> str:
     return f"[+-]?({digits}(\\.({digits})?)?|\\.{digits})([eE][+-]?{digits})?"
 
 
-LAX_FLOAT = f"^({_WS}{_float('[0-9]+')}{_WS}|{_float(_DIGITS)})(?!\\n)$"  # pydantic: `_` only without the whitespace
+# Without whitespace, pydantic takes single underscores between any two characters of a float ("0_.5", "1e_+5",
+# "+_1"), none first or last: the float below with an optional `_` wherever two of its parts meet.
+_UNDERSCORED = "[0-9](_?[0-9])*"
+_FLOAT_UNDERSCORED = f"([+-]_?)?({_UNDERSCORED}(_?\\.(_?{_UNDERSCORED})?)?|\\._?{_UNDERSCORED})" \
+    f"(_?[eE]_?([+-]_?)?{_UNDERSCORED})?"
+LAX_FLOAT = f"^({_WS}{_float('[0-9]+')}{_WS}|{_FLOAT_UNDERSCORED})(?!\\n)$"
 LAX_BOOL = "^([0Ff]|[Oo][Ff][Ff]|[Ff][Aa][Ll][Ss][Ee]|[Nn][Oo]?|1|[Oo][Nn]|[Tt]([Rr][Uu][Ee])?|[Yy]([Ee][Ss])?)(?!\\n)$"
 _LAX = {"integer": [{"type": "boolean"}, {"type": "string", "pattern": LAX_INT}],
         "number": [{"type": "boolean"}, {"type": "string", "pattern": LAX_FLOAT}],
