@@ -119,8 +119,9 @@ class BlockLayout:
         """The blocks as entries (header, then payload: what a tier stores and a transfer sends), one view per
         block into one new array. Each payload is gathered from the pool straight behind its header's place, so
         a block is copied once and never joined to its header (a join copies it again); the array is np.empty,
-        not a bytearray, whose zero-fill of fresh pages cost more than the gather (92 MB, a 2,000-token prompt of
-        the default model in float32: 83 ms read and 42 ms packed that way, ~45 ms in all this way)."""
+        not a bytearray, whose zero-fill of fresh pages cost more than the gather. A 2,000-token prompt of the
+        default model in float32 (92 MB), one AVX2 core: 56-75 ms this way, 179-227 ms read then joined
+        (benchmarks/kv_block_bytes.py, pd-disagg.md)."""
         rows = self._gather(block_ids)
         key = self.key()
         for row, block_hash in zip(rows, block_hashes):
