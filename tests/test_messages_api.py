@@ -185,10 +185,26 @@ async def test_thinking_and_tool_use_blocks(tokenizer):
     events = stream_events(await post(scripted, "/v1/messages", {**kwargs, "stream": True}))
     kinds = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
     assert {"thinking_delta", "signature_delta", "input_json_delta"} <= set(kinds)
-    # thinking disabled: the template's enable_thinking is false and no thinking block comes back
+    # thinking disabled: the template's enable_thinking is false and no thinking block comes back; adaptive: this
+    # reasoning model thinks; enabled: with its budget
     off = await client.messages.create(**kwargs, thinking={"type": "disabled"})
     assert [b.type for b in off.content] == ["tool_use"]
     assert list(scripted.client.added.values())[-1][1].thinking_token_budget is None
+    adaptive = await client.messages.create(**kwargs, thinking={"type": "adaptive"})
+    assert blocks(adaptive) == blocks(created)
+    await client.messages.create(**kwargs, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert list(scripted.client.added.values())[-1][1].thinking_token_budget == 1024
+
+
+async def test_adaptive_thinking_on_a_model_that_does_not_think(turns_app):
+    """adaptive leaves it to the model: one without a reasoning parser does not think (its template is told so)."""
+    templated = turns_app.state.tokenizer
+    templated.chat_template = TURNS_TEMPLATE + "{% if enable_thinking is false %}[no thinking]{% endif %}"
+    try:
+        await message(turns_app, messages=[{"role": "user", "content": "hi"}], thinking={"type": "adaptive"})
+        assert templated.decode(last_prompt(turns_app)).endswith("<assistant>[no thinking]")
+    finally:
+        templated.chat_template = TURNS_TEMPLATE
 
 
 async def test_tool_choice_any_and_tool_force_a_call(app):
@@ -214,6 +230,7 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, 400, "invalid_request_error", "tool_choice"),
     ({"tools": [{**WEATHER, "type": "web_search_20250305"}]}, 400, "invalid_request_error", "tools"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error", "thinking"),
+    ({"thinking": {"type": "adaptive", "budget_tokens": 1024}}, 400, "invalid_request_error", "thinking"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, 400, "invalid_request_error", "mcp_servers"),
     ({"temperature": -1}, 400, "invalid_request_error", "temperature"),
     ({"model": "claude-sonnet-4"}, 404, "not_found_error", "model"),

@@ -72,8 +72,9 @@ class ToolChoiceParam(_Request):
 
 class ThinkingParam(_Request):
     """enabled: the chat template's enable_thinking, and budget_tokens as vLLM's thinking_token_budget (a reasoning
-    model only: --reasoning-parser); disabled: enable_thinking false, and no thinking blocks."""
-    type: Literal["enabled", "disabled"]
+    model only: --reasoning-parser); adaptive (the model decides, with no budget): a reasoning model thinks, another
+    does not; disabled: enable_thinking false, and no thinking blocks."""
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
 
 

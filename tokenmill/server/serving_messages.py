@@ -166,17 +166,21 @@ class AnthropicServingMessages(OpenAIServing):
 
     async def render(self, req: mp.MessagesInput, **sampling) -> tuple[chp.ChatCompletionRequest, str, list[int]]:
         """The chat request this one is (with these sampling fields), and its prompt's text and ids."""
-        thinking = req.thinking
-        if thinking is not None and thinking.type == "enabled" and self.state.reasoning is None:
+        thinking, reasoning_model = req.thinking, self.state.reasoning is not None
+        if thinking is not None and thinking.type == "enabled" and not reasoning_model:
             raise ParamError('thinking: {"type": "enabled"} needs a reasoning model: start with --reasoning-parser',
                              "thinking")
+        if thinking is not None and thinking.type != "enabled" and thinking.budget_tokens is not None:
+            raise ParamError(f"thinking: budget_tokens goes with type enabled, not {thinking.type}", "thinking")
+        thinks = thinking.type == "enabled" or (thinking.type == "adaptive" and reasoning_model) \
+            if thinking is not None else None
         choice = req.tool_choice
         chat_req = chp.ChatCompletionRequest(
             messages=to_chat_messages(req), tools=chat_tools(req.tools), tool_choice=chat_tool_choice(choice),
             parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
-            include_reasoning=thinking is None or thinking.type == "enabled",
+            include_reasoning=thinks is not False,
             thinking_token_budget=thinking.budget_tokens if thinking is not None else None,
-            chat_template_kwargs={"enable_thinking": thinking.type == "enabled"} if thinking is not None else None,
+            chat_template_kwargs={"enable_thinking": thinks} if thinks is not None else None,
             **sampling)
         prefill = req.messages[-1].role == "assistant"  # the model continues the assistant's message
         prompt_text, prompt_ids = await self.state.render_chat(chat_req.messages, not prefill, prefill,
