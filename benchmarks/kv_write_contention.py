@@ -3,8 +3,8 @@
 A decode-sized loop of torch ops (30 x 8 linears of 576 x 576 on 4 rows, one thread) is timed alone and then
 beside a worker thread that, at the tier worker's priority (nice 10, kv_offload.py), checks and writes 2,000-token
 transfers of the default model's float32 layout (125 blocks, 92 MB) without pause. Two writes are compared:
-`blocks`, BlockLayout.write as it is (each block copied into one array, then one scatter per cache), and `join`,
-the earlier write (the blocks joined with bytearray().join, one copy that holds the GIL, then the same scatter).
+`blocks`, BlockLayout.write as it is (each payload's slices copied straight into the pool), and `join`, an earlier
+write (the blocks joined with bytearray().join, one copy that holds the GIL, then one scatter per cache).
 Run it on one core (`taskset -c 1`), as a decode instance runs in benchmarks/pd_disagg.sh.
 
 Usage: taskset -c 1 python benchmarks/kv_write_contention.py [--write blocks|join] [--nice 10] [--steps 40]"""
@@ -28,10 +28,9 @@ LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 30, 1000, 16, 3, 64  # SmolLM2-
 def join_write(layout: BlockLayout, block_ids: list[int], payloads: list) -> None:
     rows = np.frombuffer(bytearray().join(payloads), dtype=np.uint8).reshape(len(block_ids), layout.block_bytes)
     ids, offset = np.asarray(block_ids), 0
-    for k, v in layout._host:
-        for cache in (k, v):
-            cache[ids] = rows[:, offset:offset + cache.shape[1]]
-            offset += cache.shape[1]
+    for cache in layout._host:
+        cache[ids] = rows[:, offset:offset + cache.shape[1]]
+        offset += cache.shape[1]
 
 
 def main() -> None:

@@ -36,8 +36,6 @@ def checksum(payload) -> int:
     return zlib.crc32(payload)
 
 
-
-
 def unpack(entry: bytearray | bytes | memoryview | None, layout_key: bytes,
            block_hash: bytes) -> tuple[memoryview | None, str]:
     """(payload, "") for a good entry, else (None, why): missing, short, magic, layout, hash, length, checksum.
@@ -95,13 +93,12 @@ class BlockLayout:
                             for k, v, _ in kv_caches]
         self.block_bytes = sum(a + b for a, b in self.slice_bytes)
         self._key: bytes | None = None
-        # On the CPU, the caches as numpy byte arrays ([blocks, bytes per block], the pool's own memory): numpy
-        # copies on the calling thread, where a torch op from the tier's worker would start an OpenMP team of its
-        # own and take the cores the step's threads run on.
+        # On the CPU, the caches as numpy byte arrays ([blocks, bytes per block], the pool's own memory), in a
+        # block's byte order (each layer's K, then its V): numpy copies on the calling thread, where a torch op from
+        # the tier's worker would start an OpenMP team of its own and take the cores the step's threads run on.
         self._host = None
         if kv_caches[0][0].device.type == "cpu":
-            self._host = [tuple(c.view(torch.uint8).reshape(c.shape[0], -1).numpy() for c in (k, v))
-                          for k, v, _ in kv_caches]
+            self._host = [c.view(torch.uint8).reshape(c.shape[0], -1).numpy() for k, v, _ in kv_caches for c in (k, v)]
 
     def key(self) -> bytes:
         """32 bytes naming the layout; a one-byte cache's scales enter it (read each time: the first forward pass
@@ -122,12 +119,10 @@ class BlockLayout:
         not a bytearray, whose zero-fill of fresh pages cost more than the gather. A 2,000-token prompt of the
         default model in float32 (92 MB), one AVX2 core: 56-75 ms this way, 179-227 ms read then joined
         (benchmarks/kv_block_bytes.py, pd-disagg.md)."""
-        rows = self._gather(block_ids)
-        key = self.key()
-        for row, block_hash in zip(rows, block_hashes):
-            payload = memoryview(row)[HEADER_SIZE:]
-            _HEADER.pack_into(row, 0, MAGIC, key, block_hash, len(payload), checksum(payload))
-        return [memoryview(row) for row in rows]
+        key, entries = self.key(), [memoryview(row) for row in self._gather(block_ids)]
+        for entry, block_hash in zip(entries, block_hashes):
+            _HEADER.pack_into(entry, 0, MAGIC, key, block_hash, self.block_bytes, checksum(entry[HEADER_SIZE:]))
+        return entries
 
     def read(self, block_ids: list[int]) -> list[memoryview]:
         """The blocks' bytes (copies: a block may be reused once this returns), one view per block."""
@@ -142,13 +137,12 @@ class BlockLayout:
         offset = HEADER_SIZE
         if self._host is not None:
             ids = np.asarray(block_ids, dtype=np.intp)
-            if n and not (0 <= ids.min() and ids.max() < self._host[0][0].shape[0]):
+            if n and not (0 <= ids.min() and ids.max() < self._host[0].shape[0]):
                 raise IndexError(f"block ids {block_ids} outside the pool")
-            for k, v in self._host:
-                for cache in (k, v):
-                    # into the rows' columns in place (mode "clip": "raise" would buffer a copy; checked above)
-                    np.take(cache, ids, axis=0, out=rows[:, offset:offset + cache.shape[1]], mode="clip")
-                    offset += cache.shape[1]
+            for cache in self._host:
+                # into the rows' columns in place (mode "clip": "raise" would buffer a copy; checked above)
+                np.take(cache, ids, axis=0, out=rows[:, offset:offset + cache.shape[1]], mode="clip")
+                offset += cache.shape[1]
             return rows
         host = torch.from_numpy(rows)
         ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
@@ -176,10 +170,9 @@ class BlockLayout:
             for block_id, payload in zip(block_ids, payloads):
                 src = np.frombuffer(payload, dtype=np.uint8)
                 offset = 0
-                for k, v in self._host:
-                    for cache in (k, v):
-                        cache[block_id] = src[offset:offset + cache.shape[1]]
-                        offset += cache.shape[1]
+                for cache in self._host:
+                    cache[block_id] = src[offset:offset + cache.shape[1]]
+                    offset += cache.shape[1]
             return
         rows = np.empty((n, self.block_bytes), dtype=np.uint8)  # one host array to move to the device
         for row, payload in zip(rows, payloads):
