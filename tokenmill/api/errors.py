@@ -185,17 +185,16 @@ def _out_of_bounds(where: str, top_level: bool, error: dict) -> str:
     return f"{where} must be {words[k]}, got {value}"
 
 
-def _validation_error_response(exc: RequestValidationError, anthropic: bool = False) -> Response:
-    """pydantic's 422 becomes OpenAI's 400, naming the first offending field."""
+def _validation_error(exc: RequestValidationError) -> Exception:
+    """pydantic's 422 becomes a 400 (a ParamError), naming the first offending field."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [x for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx", {}).get("error", "")
-        return exception_response(ParamError(f"The request body is not valid JSON: {ctx}".rstrip(": ")),
-                                  anthropic)
+        return ParamError(f"The request body is not valid JSON: {ctx}".rstrip(": "))
     if first.get("type") == "value_error" and isinstance(first.get("ctx", {}).get("error"), ParamError):
-        return exception_response(first["ctx"]["error"], anthropic)  # a model validator's own error
+        return first["ctx"]["error"]  # a model validator's own error, param and all
     where = ".".join(str(x) for x in loc) or "body"
     if first.get("type") == "missing":
         message = f"{where}: field required"
@@ -203,7 +202,7 @@ def _validation_error_response(exc: RequestValidationError, anthropic: bool = Fa
         message = _out_of_bounds(where, len(loc) == 1, first)
     else:
         message = f"{where}: {first.get('msg')} (got {first.get('input')!r})"
-    return exception_response(ParamError(message, str(loc[0]) if loc else None), anthropic)
+    return ParamError(message, str(loc[0]) if loc else None)
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -215,7 +214,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        return _validation_error_response(exc, is_anthropic(request.url.path))
+        return exception_response(_validation_error(exc), is_anthropic(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):

@@ -153,6 +153,11 @@ class DeltaAssembler:
         self.pending = ""
         self.events: list[bytes] = []
 
+    @property
+    def index(self) -> int:
+        """The last part's position: the open one's, while one is open."""
+        return len(self.parts) - 1
+
     def take_events(self) -> list[bytes]:
         events, self.events = self.events, []
         return events

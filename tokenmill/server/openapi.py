@@ -181,11 +181,10 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     schemas.update(structs)
     for path, (summary, may_fail) in HEALTH.items():
         responses = {"200": _plain("Yes.")} | ({"503": _plain("No: the phase, or why not.")} if may_fail else {})
-        methods = ("get", "post") if path == "/ping" else ("get",)
-        doc["paths"][path] = {method: {"summary": summary, "responses": responses,
-                                       "operationId": "_".join([path.strip("/").replace("/", "_")] + list(methods[1:]
-                                                                                                   and [method]))}
-                              for method in methods}
+        name = path.strip("/").replace("/", "_")
+        methods = {"get": f"{name}_get", "post": f"{name}_post"} if path == "/ping" else {"get": name}
+        doc["paths"][path] = {method: {"summary": summary, "operationId": op_id, "responses": responses}
+                              for method, op_id in methods.items()}
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if path in HEALTH:

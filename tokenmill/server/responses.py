@@ -23,6 +23,11 @@ def sse_event(obj) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+def sse_named_event(name: str, obj) -> bytes:
+    """An event whose type has an `event:` line of its own, as the Responses and Messages APIs frame theirs."""
+    return b"event: " + name.encode() + b"\n" + sse_event(obj)
+
+
 class ClientDisconnected(Exception):
     pass
 

@@ -326,8 +326,8 @@ class OpenAIServing:
         """A streamed response. Its SSE body: `first`, then the events of each delta as the engine produces them
         (one write per batch), then the usage chunk (given the number of generated tokens) when asked for, then
         `done` ([DONE]; the Responses and Messages APIs send nothing). A failure after the status line went out ends
-        the stream with an error event (error_event's). The stream is closed when its output ends, or when the response does if the client
-        left before the body began."""
+        the stream with an error event (error_event's). The stream is closed when its output ends, or when the
+        response does if the client left before the body began."""
         async def body() -> AsyncIterator[bytes]:
             num_tokens = 0
             with stream:

@@ -22,7 +22,7 @@ from tokenmill.sampling_params import ParamError
 from tokenmill.server import messages_protocol as mp
 from tokenmill.server.chat_output import ChatOutputParser, DeltaAssembler
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
-from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
+from tokenmill.server.responses import EventStreamResponse, json_response, sse_named_event
 from tokenmill.server.server_state import ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_engine import OpenAIServing
@@ -34,8 +34,8 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
 def sse_frame(event) -> bytes:
-    """Anthropic's framing: the event's type in an `event:` line, then its JSON."""
-    return b"event: " + type(event).__struct_config__.tag.encode() + b"\n" + sse_event(event)
+    """Anthropic's framing: the event's type (its Struct's tag) in an `event:` line, then its JSON."""
+    return sse_named_event(type(event).__struct_config__.tag, event)
 
 
 # ============================== request → chat ==============================
@@ -125,7 +125,7 @@ class BlockAssembler(DeltaAssembler):
 
     def opened(self, block) -> None:
         self.arguments = ""
-        self.emit(mp.ContentBlockStartEvent(len(self.parts) - 1, block))
+        self.emit(mp.ContentBlockStartEvent(self.index, block))
 
     def append_text(self, text: str) -> None:
         if isinstance(self.open, mp.ThinkingBlock):
@@ -140,7 +140,7 @@ class BlockAssembler(DeltaAssembler):
         self._delta(mp.InputJsonDelta(arguments))
 
     def _delta(self, delta) -> None:
-        self.emit(mp.ContentBlockDeltaEvent(len(self.parts) - 1, delta))
+        self.emit(mp.ContentBlockDeltaEvent(self.index, delta))
 
     def close(self, status: str) -> None:
         block, self.open = self.open, None
@@ -154,7 +154,7 @@ class BlockAssembler(DeltaAssembler):
         elif isinstance(block, mp.ThinkingBlock):
             block.signature = new_id("sig")  # Anthropic signs its thinking; here it only marks the block's end
             self._delta(mp.SignatureDelta(block.signature))
-        self.emit(mp.ContentBlockStopEvent(len(self.parts) - 1))
+        self.emit(mp.ContentBlockStopEvent(self.index))
 
 
 # ============================== serving ==============================

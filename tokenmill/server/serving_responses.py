@@ -22,7 +22,7 @@ from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutp
 from tokenmill.server import responses_protocol as rp
 from tokenmill.server.chat_output import ChatOutputParser, DeltaAssembler
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
-from tokenmill.server.responses import EventStreamResponse, json_response, sse_event
+from tokenmill.server.responses import EventStreamResponse, json_response, sse_named_event
 from tokenmill.server.server_state import ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_engine import OpenAIServing
@@ -38,8 +38,8 @@ def new_id(prefix: str) -> str:
 
 
 def sse_frame(event) -> bytes:
-    """OpenAI's framing of a Responses stream: the event type in an `event:` line, then its JSON."""
-    return b"event: " + event.type.encode() + b"\n" + sse_event(event)
+    """OpenAI's framing of a Responses stream: the event type (its `type`) in an `event:` line, then its JSON."""
+    return sse_named_event(event.type, event)
 
 
 # ============================== request → chat ==============================
@@ -130,10 +130,6 @@ class OutputAssembler(DeltaAssembler):
         super().__init__(streaming)
         self.sequence_number = 0
 
-    @property
-    def items(self) -> list[rp.OutputMessage | rp.FunctionCallItem | rp.ReasoningItem]:
-        return self.parts
-
     def emit(self, event_type: type, name: str, *fields) -> None:
         """Encoded at once: the items in an event are mutated afterwards."""
         if self.streaming:
@@ -151,7 +147,7 @@ class OutputAssembler(DeltaAssembler):
                                    status="in_progress")
 
     def opened(self, item) -> None:
-        index = len(self.items) - 1
+        index = self.index
         self.emit(rp.OutputItemEvent, "response.output_item.added", index, item)
         if not isinstance(item, rp.FunctionCallItem):
             part = rp.OutputText("") if isinstance(item, rp.OutputMessage) else rp.ReasoningText("")
@@ -167,19 +163,19 @@ class OutputAssembler(DeltaAssembler):
         item = self.open
         item.content[0].text += text
         kind, logprobs = self._text_events(item)
-        self.emit(rp.TextDeltaEvent, f"response.{kind}.delta", item.id, len(self.items) - 1, 0, text, logprobs)
+        self.emit(rp.TextDeltaEvent, f"response.{kind}.delta", item.id, self.index, 0, text, logprobs)
 
     def append_arguments(self, arguments: str) -> None:
         self.open.arguments += arguments
         self.emit(rp.ArgumentsDeltaEvent, "response.function_call_arguments.delta", self.open.id,
-                  len(self.items) - 1, arguments)
+                  self.index, arguments)
 
     def close(self, status: str) -> None:
         item, self.open = self.open, None
         if item is None:
             return
         item.status = status
-        index = len(self.items) - 1
+        index = self.index
         if isinstance(item, rp.FunctionCallItem):
             self.emit(rp.ArgumentsDoneEvent, "response.function_call_arguments.done", item.id, index, item.name,
                       item.arguments)
@@ -300,17 +296,17 @@ class OpenAIServingResponses(OpenAIServing):
         """The final response, stored when asked for. Reasoning tokens are counted by re-encoding the reasoning
         text (the engine does not tell them apart)."""
         incomplete = finish_reason == "length"
-        reasoning = "".join(part.text for item in assembler.items if isinstance(item, rp.ReasoningItem)
+        reasoning = "".join(part.text for item in assembler.parts if isinstance(item, rp.ReasoningItem)
                             for part in item.content)
         reasoning_tokens = len(self.state.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         usage = rp.ResponseUsage(len(prompt_ids), num_tokens, len(prompt_ids) + num_tokens, rp.InputTokensDetails(),
                                  rp.OutputTokensDetails(min(reasoning_tokens, num_tokens)))
         response = rp.ResponseObject(
-            **echo, status="incomplete" if incomplete else "completed", output=assembler.items, usage=usage,
+            **echo, status="incomplete" if incomplete else "completed", output=assembler.parts, usage=usage,
             completed_at=None if incomplete else int(time.time()),
             incomplete_details=rp.IncompleteDetails("max_output_tokens") if incomplete else None)
         if store:
-            outputs = [rp.InputItem.model_validate(item) for item in msgspec.to_builtins(assembler.items)]
+            outputs = [rp.InputItem.model_validate(item) for item in msgspec.to_builtins(assembler.parts)]
             self.stored[response.id] = (response, conversation + to_chat_messages(outputs))
             while len(self.stored) > MAX_STORED_RESPONSES:
                 self.stored.popitem(last=False)
