@@ -14,6 +14,8 @@ from tokenmill.json_flag import fold_dotted_json_flags
 SERVE = ("serve", "serve a model behind the OpenAI API", "tokenmill.server.launch", "run_from_cli")
 ROUTER = ("router", "an OpenAI-compatible gateway over several replicas, routing on their KV caches",
           "tokenmill.router.app", "run_from_cli")
+RUN_BATCH = ("run-batch", "run a file of requests in OpenAI's Batch format offline, writing the answers to a file",
+             "tokenmill.server.run_batch", "run_from_cli")
 SERVE_RAY = ("serve-ray", "tokenmill serve replicas on Ray Serve behind the router, autoscaled on their queues "
              "(needs the ray extra); flags it does not know go to every replica's tokenmill serve",
              "tokenmill.router.ray_serve", "run_from_cli")
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     chosen = None
-    for name, help_, module, entry in (SERVE, ROUTER, SERVE_RAY):
+    for name, help_, module, entry in (SERVE, RUN_BATCH, ROUTER, SERVE_RAY):
         # serve-ray: unknown flags go to `tokenmill serve` whole, so no abbreviations
         parser_ = sub.add_parser(name, help=help_, allow_abbrev=name != "serve-ray")
         if argv[:1] == [name]:
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Only `bench serve --launch` and `serve-ray` take flags they do not know: they are passed to `tokenmill serve`.
     args, extra = parser.parse_known_args(argv)
-    if getattr(args, "config", None) and args.command == "serve":
+    if getattr(args, "config", None) and args.command in ("serve", "run-batch"):
         # vLLM's --config FILE.yaml: the file's flags first, so that the command line's override them
         from tokenmill.api.server_config import config_file_args
         try:

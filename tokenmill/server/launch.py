@@ -34,7 +34,8 @@ logger = logging.getLogger("tokenmill.server")
 add_cli_args = add_serve_cli_args  # the hook tokenmill/cli.py calls: `tokenmill serve`'s flags
 
 
-def run_from_cli(args: argparse.Namespace) -> int:
+def configs_from_cli(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
+    """`tokenmill serve`'s flags (run-batch's too) as the two configs, or SystemExit naming what is wrong."""
     if args.model_tag is not None:
         if args.model not in (DEFAULT_MODEL, args.model_tag):
             raise SystemExit(f"error: the model is given twice: {args.model_tag!r} and --model {args.model!r}")
@@ -55,16 +56,26 @@ def run_from_cli(args: argparse.Namespace) -> int:
         raise SystemExit("error: --lora-modules needs --enable-lora")
     if server_config.wake_on_demand and not engine_config.enable_sleep_mode:
         raise SystemExit("error: --wake-on-demand needs --enable-sleep-mode")
-    configure_logging(server_config.log_format)
+    return server_config, engine_config
+
+
+def run_async(main) -> int:
+    """Runs the coroutine on uvloop where it is installed; Ctrl-C is a clean exit."""
     try:
         import uvloop
         run = uvloop.run
     except ImportError:
         run = asyncio.run
     try:
-        return run(serve(server_config, engine_config))
+        return run(main)
     except KeyboardInterrupt:
         return 0
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    server_config, engine_config = configs_from_cli(args)
+    configure_logging(server_config.log_format)
+    return run_async(serve(server_config, engine_config))
 
 
 # The kernel's send buffer of each connection (accepted sockets inherit it). Left to autotuning it grows to
@@ -91,6 +102,27 @@ async def _log_stats(metrics: ServerMetrics) -> None:
         if line:
             logger.info("%s", line)
         await asyncio.sleep(interval_s)
+
+
+def make_state(config: ServerConfig, engine_config: EngineConfig, client: EngineClient, ready, tokenizer,
+               generation_defaults) -> ServerState:
+    """What the app's handlers share, once the engine is ready and the tokenizer loaded."""
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    return ServerState(client, tokenizer, ready, config, engine_config.model, engine_config.reasoning,
+                       make_tracer(config.otlp_traces_endpoint, config.otlp_traces_include_text), generation_defaults)
+
+
+async def make_app(state: ServerState):
+    """The app, with --lora-modules' adapters loaded; None (logged) when one cannot be served, which ends the
+    start-up, as in vLLM."""
+    app = build_app(state)
+    try:
+        await app.state.models.load_static(state.config.lora_modules or [])
+    except Exception as e:  # noqa: BLE001 - any adapter failure is reported the same way
+        logger.error("--lora-modules: %s", e)
+        return None
+    return app
 
 
 async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
@@ -136,18 +168,11 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
             return 1
         logger.info("engine ready: max_model_len=%d, %d KV blocks of %d tokens", ready.max_model_len,
                     ready.num_blocks, ready.block_size)
-        if config.chat_template is not None:
-            tokenizer.chat_template = config.chat_template
-        state = ServerState(client, tokenizer, ready, config, engine_config.model, engine_config.reasoning,
-                            make_tracer(config.otlp_traces_endpoint, config.otlp_traces_include_text),
-                            generation_defaults)
+        state = make_state(config, engine_config, client, ready, tokenizer, generation_defaults)
         client.on_dead = lifecycle.engine_died
         lifecycle.fail_pending = client.fail_pending
-        app = build_app(state)
-        try:
-            await app.state.models.load_static(config.lora_modules or [])
-        except Exception as e:  # noqa: BLE001 - an adapter that cannot be served ends the start-up, as in vLLM
-            logger.error("--lora-modules: %s", e)
+        app = await make_app(state)
+        if app is None:
             return 1
         root.inner = app
         freeze_startup_heap()
