@@ -5,6 +5,7 @@ What depends on the model (structured output, tool calls, greedy stream = plain 
 engine in test_responses_api.py. The fake engine always stops on length, so its responses are incomplete."""
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 
@@ -80,7 +81,7 @@ BAD_REQUESTS = [
     ({"text": {"format": {"type": "json_object"}}, "tools": [FUNCTION_TOOL], "tool_choice": "required"},
      "tool_choice", "structured-output"),
     ({"text": "plain"}, "text", "text"),
-    ({"background": True}, "background", "background"),
+    ({"background": True, "store": False}, "background", "store true"),
     ({"conversation": "conv_123"}, "conversation", "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
@@ -106,7 +107,7 @@ async def test_missing_input(app):
 
 async def test_errors_come_before_the_stream(app):
     r = await post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "stream": True, "background": True})
-    assert json_error(r, 400)["param"] == "background"
+    assert json_error(r, 400)["param"] == "stream"
 
 
 async def test_unknown_ids_are_404(app):
@@ -183,6 +184,74 @@ async def test_stored_responses_are_bounded(tokenizer, monkeypatch):
         assert (await client.get(f"/v1/responses/{ids[0]}")).status_code == 404
         for kept in ids[1:]:
             assert (await client.get(f"/v1/responses/{kept}")).status_code == 200
+
+
+async def _poll(app: InProcessServer, response_id: str, until: tuple[str, ...]) -> dict:
+    async with app.http() as client:
+        for _ in range(2000):
+            body = (await client.get(f"/v1/responses/{response_id}")).json()
+            if body["status"] in until:
+                return body
+            await asyncio.sleep(0)  # an in-process GET never waits on I/O: let the background task run
+    raise AssertionError(f"{response_id} stayed {body['status']}")
+
+
+async def test_background_response_is_answered_at_once_then_polled(tokenizer):
+    """background: queued at once; GET sees it run, then its output, the same as a plain request's; it can then
+    be continued, and cancelling it is a 400 (it has finished)."""
+    app = InProcessServer(tokenizer)
+    queued = await _create(app, input="Hi", background=True)
+    assert queued["status"] == "queued" and queued["background"] is True and queued["output"] == []
+    Response.model_validate(queued)
+    final = await _poll(app, queued["id"], ("completed", "incomplete"))
+    plain = await _create(app, input="Hi")
+    assert final["status"] == "incomplete" and final["background"] is True and final["usage"]["output_tokens"] == 6
+    assert final["output"][0]["content"][0]["text"] == plain["output"][0]["content"][0]["text"]
+    second = await _create(app, input="And then?", previous_response_id=queued["id"])
+    assert plain["output"][0]["content"][0]["text"].strip() in _prompt_text(app, second["id"])
+    async with app.http() as client:
+        err = json_error(await client.post(f"/v1/responses/{queued['id']}/cancel"), 400)
+        assert err["message"] == "Cannot cancel a response that is already incomplete."
+        err = json_error(await client.post(f"/v1/responses/{plain['id']}/cancel"), 400)
+        assert err["message"] == "Cannot cancel a synchronous response." and err["param"] == "response_id"
+        json_error(await client.post("/v1/responses/resp_nope/cancel"), 404)
+
+
+async def test_cancel_stops_a_running_background_response(tokenizer):
+    app = InProcessServer(tokenizer)
+    queued = await _create(app, input="Hi", background=True, max_output_tokens=1900)
+    await _poll(app, queued["id"], ("in_progress",))
+    async with app.http() as client:
+        r = await client.post(f"/v1/responses/{queued['id']}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
+        assert f"{queued['id']}-0-0" in app.client.aborted  # the engine request is aborted: its KV is freed
+        assert (await client.get(f"/v1/responses/{queued['id']}")).json()["status"] == "cancelled"
+        err = json_error(await client.post(f"/v1/responses/{queued['id']}/cancel"), 400)
+        assert err["message"] == "Cannot cancel a response that is already cancelled."
+    err = json_error(await post(app, "/v1/responses", {"model": MODEL, "input": "Hi",
+                                                       "previous_response_id": queued["id"]}), 400)
+    assert err["param"] == "previous_response_id" and "cancelled" in err["message"]
+
+
+async def test_delete_forgets_a_response_and_stops_a_running_one(tokenizer):
+    app = InProcessServer(tokenizer)
+    done = await _create(app, input="Hi")
+    running = await _create(app, input="Hi", background=True, max_output_tokens=1900)
+    async with app.http() as client:
+        for body in (done, running):
+            r = await client.delete(f"/v1/responses/{body['id']}")
+            assert r.json() == {"id": body["id"], "object": "response.deleted", "deleted": True}
+            json_error(await client.get(f"/v1/responses/{body['id']}"), 404)
+        assert f"{running['id']}-0-0" in app.client.aborted
+        json_error(await client.delete(f"/v1/responses/{done['id']}"), 404)
+
+
+async def test_a_background_response_whose_engine_dies_is_failed(tokenizer):
+    app = InProcessServer(tokenizer)
+    app.client.die_after_tokens = 3
+    queued = await _create(app, input="Hi", background=True)
+    failed = await _poll(app, queued["id"], ("failed",))
+    assert failed["error"]["code"] == "server_error" and "died" in failed["error"]["message"]
 
 
 async def test_stream_events(app):

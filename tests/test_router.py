@@ -710,6 +710,16 @@ def test_every_endpoint_of_the_replicas_is_served_through_the_router(replicas_se
         stored = httpx.get(f"{router.url}/v1/responses/{response_id}", timeout=30)
         assert stored.status_code == 200 and stored.json()["id"] == response_id
         assert httpx.get(f"{router.url}/v1/responses/resp_unknown", timeout=30).status_code == 404
+        # a background response's cancel and delete reach the replica that holds it, whichever is asked first
+        background = httpx.post(router.url + "/v1/responses", timeout=120, json={
+            "model": MODEL, "input": "Write a long story.", "max_output_tokens": 1000, "background": True})
+        assert background.status_code == 200 and background.json()["status"] == "queued", background.text
+        background_id = background.json()["id"]
+        cancelled = httpx.post(f"{router.url}/v1/responses/{background_id}/cancel", timeout=30)
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+        deleted = httpx.delete(f"{router.url}/v1/responses/{background_id}", timeout=30)
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True, deleted.text
+        assert httpx.get(f"{router.url}/v1/responses/{background_id}", timeout=30).status_code == 404
     finally:
         router.stop()
 

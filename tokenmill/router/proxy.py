@@ -596,11 +596,13 @@ def _get_headers(state: RouterState, request: Request) -> dict[str, str]:
 
 async def forward_get(state: RouterState, request: Request, skip_not_found: bool = False) -> Response:
     """A GET that any replica answers alike (/version, /tokenizer_info): the first admitted replica that answers.
-    With skip_not_found (a stored response, held by one replica), the first that does not answer 404."""
+    With skip_not_found (a stored response, held by one replica: its GET, DELETE, or POST .../cancel, none with a
+    body), the first that does not answer 404."""
     answer, path, headers = None, request.url.path, _get_headers(state, request)
     for replica in state.replicas.routable():
         try:
-            status, body, upstream_headers = await state.client.get(replica.url + path, None, headers)
+            status, body, upstream_headers = await state.client.get(replica.url + path, None, headers,
+                                                                    request.method)
         except TRANSPORT_ERRORS as e:
             state.replicas.eject(replica, f"{type(e).__name__} while proxying")
             continue

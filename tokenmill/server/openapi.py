@@ -8,6 +8,8 @@ LifecycleApp answers them before FastAPI; and /v1/* carry the bearer scheme when
 tests/test_openapi_and_fields.py holds the server to this document with schemathesis."""
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any
 
 import msgspec
@@ -75,6 +77,10 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                                        SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk")},
     ("/v1/responses", "post"): {JSON: _ref("ResponseObject"), SSE: _events(*(e.__name__ for e in rp.STREAM_EVENTS))},
     ("/v1/responses/{response_id}", "get"): {JSON: _ref("ResponseObject")},
+    ("/v1/responses/{response_id}/cancel", "post"): {JSON: _ref("ResponseObject")},
+    ("/v1/responses/{response_id}", "delete"): {JSON: {
+        "type": "object", "required": ["id", "object", "deleted"],
+        "properties": {"id": STRING, "object": {"const": "response.deleted"}, "deleted": {"type": "boolean"}}}},
     ("/v1/messages", "post"): {JSON: _ref("Message"), SSE: _named_events(*msg.STREAM_EVENTS)},
     ("/v1/messages/count_tokens", "post"): {JSON: _ref("TokenCount")},
     ("/v1/chat/completions/batch", "post"): {JSON: _ref("ChatCompletionResponse")},
@@ -169,7 +175,11 @@ def _lax_types(node: Any) -> Any:
 
 
 def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
-    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    with warnings.catch_warnings():
+        # FastAPI gives a route's methods one operation id (the GET and DELETE of a stored response share a route:
+        # serving_responses.py); each method's id is made its own below
+        warnings.filterwarnings("ignore", "Duplicate Operation ID")
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):  # only FastAPI's 422 uses them
         schemas.pop(name, None)
@@ -189,6 +199,7 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
         for method, op in item.items():
             if path in HEALTH:
                 continue
+            op["operationId"] = re.sub(r"_(get|post|put|patch|delete)$", "", op["operationId"]) + "_" + method
             responses = op["responses"]
             responses.pop("422", None)
             content = OPERATIONS.get((path, method))

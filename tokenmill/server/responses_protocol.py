@@ -57,7 +57,7 @@ class ReasoningConfig(_Request):
 
 class ResponsesRequest(SamplingFields):
     _UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "background": "", "conversation": ": send its items as input", "prompt": ": send its text as input",
+        "conversation": ": send its items as input", "prompt": ": send its text as input",
         "include": "", "max_tool_calls": "", "top_logprobs": ""}
     # the chat and completions extras that this endpoint does not read: refused, never ignored
     _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
@@ -75,7 +75,7 @@ class ResponsesRequest(SamplingFields):
     parallel_tool_calls: bool = True
     store: bool = True
     previous_response_id: str | None = None
-    background: Literal[False] = False
+    background: bool = False  # answered at once, queued; GET it later (needs store)
     conversation: None = None  # server-side objects that tokenmill does not keep
     prompt: None = None
     reasoning: ReasoningConfig | None = None
@@ -155,7 +155,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     id: str
     created_at: int
     model: str
-    status: str  # "in_progress" | "completed" | "incomplete"
+    status: str  # "queued" | "in_progress" | "completed" | "incomplete" | "cancelled" | "failed"
     output: list[OutputMessage | FunctionCallItem | ReasoningItem]
     parallel_tool_calls: bool
     tool_choice: str | dict[str, Any]

@@ -8,6 +8,9 @@ output: OutputAssembler turns the parser's deltas into items, and, when streamin
 them, so that a streamed response reassembles to exactly the items of a plain one."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -27,6 +30,8 @@ from tokenmill.server.server_state import ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_engine import OpenAIServing
 from tokenmill.tool_parsers import TOOL_PARSERS
+
+logger = logging.getLogger("tokenmill.server")
 
 MAX_STORED_RESPONSES = 1000  # store=true keeps the most recently used ones in memory, for GET and follow-ups
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
@@ -193,13 +198,20 @@ class OpenAIServingResponses(OpenAIServing):
         super().__init__(state)
         self.chat = OpenAIServingChat(state)  # for its tool choice
         # response id → (the response, its conversation without instructions: what previous_response_id continues)
-        self.stored: OrderedDict[str, tuple[rp.ResponseObject, list[chp.ChatMessage]]] = OrderedDict()
+        # (None while a background response runs, and for one cancelled or failed: nothing to continue)
+        self.stored: OrderedDict[str, tuple[rp.ResponseObject, list[chp.ChatMessage] | None]] = OrderedDict()
+        self.background: dict[str, asyncio.Task] = {}  # the background responses still running, by id
 
     async def create_response(self, req: rp.ResponsesRequest, raw: Request):
         state = self.state
         lora = state.check_model(req.model)
         if req.n != 1:
             raise ParamError(f"a response has one output: n must be 1, got {req.n}", "n")
+        if req.background and not req.store:
+            raise ParamError("a background response is fetched later with GET /v1/responses/{id}: background needs "
+                             "store true", "background")
+        if req.background and req.stream:
+            raise ParamError("a background response is not streamed: poll GET /v1/responses/{id} instead", "stream")
         items = [rp.InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
         conversation = self.previous_conversation(req.previous_response_id) + to_chat_messages(items)
         instructions = [chp.ChatMessage(role="system", content=req.instructions)] if req.instructions else []
@@ -228,36 +240,110 @@ class OpenAIServingResponses(OpenAIServing):
         parser = ChatOutputParser(splitter, True, tool_mode, tool_parser, named_tool)
         if req.stream:
             return self.streamed_response(stream, echo, prompt_ids, parser, conversation, req.store)
+        if req.background:
+            return json_response(self.run_in_background(stream, echo, prompt_ids, parser, conversation))
         choices = await self.run_to_completion(raw, stream, 1)
         if isinstance(choices, Response):
             return choices
-        choice, assembler = choices[0], OutputAssembler(streaming=False)
+        return json_response(self.collected(choices[0], echo, prompt_ids, parser, conversation, req.store))
+
+    def collected(self, choice, echo: dict, prompt_ids: list[int], parser: ChatOutputParser,
+                  conversation: list[chp.ChatMessage], store: bool) -> rp.ResponseObject:
+        """The final response from the whole of the engine's output."""
+        assembler = OutputAssembler(streaming=False)
         assembler.add(parser.feed(choice.text))
         assembler.add(parser.finish())
         assembler.finish("incomplete" if choice.finish_reason == "length" else "completed")
-        return json_response(self.finished(echo, assembler, choice.finish_reason, prompt_ids, choice.num_tokens,
-                                           conversation, req.store))
+        return self.finished(echo, assembler, choice.finish_reason, prompt_ids, choice.num_tokens, conversation,
+                             store)
+
+    def run_in_background(self, stream: GenerationStream, echo: dict, prompt_ids: list[int],
+                          parser: ChatOutputParser, conversation: list[chp.ChatMessage]) -> rp.ResponseObject:
+        """background: the response is answered at once, queued, and generated after the client has gone: GET
+        sees it in_progress, then completed (or incomplete, failed); POST .../cancel aborts it."""
+        response_id = stream.request_id
+
+        async def generate() -> None:
+            self.store(msgspec.structs.replace(queued, status="in_progress"), None)
+            try:
+                choice = (await self.collect(stream, 1))[0]
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever ended it (the engine died) is the response's error
+                logger.warning("background response %s failed: %s", response_id, e)
+                self.store(msgspec.structs.replace(queued, status="failed", error={
+                    "code": "server_error", "message": str(e) or type(e).__name__}), None)
+                return
+            self.collected(choice, echo, prompt_ids, parser, conversation, True)
+
+        def ended(_) -> None:
+            """However the task ends, a cancel before it ran included, its engine request is aborted."""
+            stream.close()
+            self.background.pop(response_id, None)
+
+        queued = rp.ResponseObject(**echo, status="queued", output=[])
+        self.store(queued, None)
+        task = asyncio.create_task(generate())
+        self.background[response_id] = task
+        task.add_done_callback(ended)
+        return queued
+
+    def store(self, response: rp.ResponseObject, conversation: list[chp.ChatMessage] | None) -> None:
+        self.stored[response.id] = (response, conversation)
+        self.stored.move_to_end(response.id)
+        while len(self.stored) > MAX_STORED_RESPONSES:
+            self.stored.popitem(last=False)
+
+    def lookup(self, response_id: str, what: str = "Response") -> tuple[rp.ResponseObject, list | None]:
+        stored = self.stored.get(response_id)
+        if stored is None:
+            raise HTTPException(404, f"{what} with id '{response_id}' not found.")
+        self.stored.move_to_end(response_id)
+        return stored
+
+    async def cancel(self, response_id: str) -> Response:
+        """POST /v1/responses/{id}/cancel: a background response still queued or running stops (its KV is freed)
+        and is kept as cancelled; any other is a 400, as OpenAI answers."""
+        response, _ = self.lookup(response_id)
+        task = self.background.get(response_id)
+        if task is None or task.done():
+            why = ("Cannot cancel a synchronous response." if not response.background
+                   else f"Cannot cancel a response that is already {response.status}.")
+            raise ParamError(why, "response_id")
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        cancelled = msgspec.structs.replace(response, status="cancelled")
+        self.store(cancelled, None)
+        return json_response(cancelled)
+
+    async def delete(self, response_id: str) -> Response:
+        """DELETE /v1/responses/{id}: forgotten (a background one still running is cancelled first)."""
+        self.lookup(response_id)
+        task = self.background.get(response_id)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.stored.pop(response_id, None)
+        return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
     def fits(self, prompt_ids: list[int], max_output_tokens: int | None) -> bool:
         """Whether the prompt and the tokens asked for (at least one) fit the context."""
         return len(prompt_ids) + (max_output_tokens or 1) <= self.state.engine.max_model_len
 
     def retrieve(self, response_id: str) -> Response:
-        stored = self.stored.get(response_id)
-        if stored is None:
-            raise HTTPException(404, f"Response with id '{response_id}' not found.")
-        self.stored.move_to_end(response_id)
-        return json_response(stored[0])
+        return json_response(self.lookup(response_id)[0])
 
     def previous_conversation(self, response_id: str | None) -> list[chp.ChatMessage]:
         """previous_response_id: the earlier turns (its instructions are not carried over, as OpenAI does)."""
         if response_id is None:
             return []
-        stored = self.stored.get(response_id)
-        if stored is None:
-            raise HTTPException(404, f"Previous response with id '{response_id}' not found.")
-        self.stored.move_to_end(response_id)
-        return list(stored[1])
+        response, conversation = self.lookup(response_id, "Previous response")
+        if conversation is None:
+            raise ParamError(f"response '{response_id}' is {response.status}: only a completed or incomplete "
+                             "response can be continued", "previous_response_id")
+        return list(conversation)
 
     def params(self, req: rp.ResponsesRequest, tool_constraint: StructuredOutputsParams | None) -> SamplingParams:
         """text.format is the Responses API's response_format: passed on as one, and its errors name `text`."""
@@ -289,7 +375,7 @@ class OpenAIServingResponses(OpenAIServing):
                     previous_response_id=req.previous_response_id,
                     reasoning=req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None,
                     truncation=req.truncation or "disabled",
-                    metadata=req.metadata or {}, user=req.user)
+                    metadata=req.metadata or {}, user=req.user, background=req.background)
 
     def finished(self, echo: dict, assembler: OutputAssembler, finish_reason: str | None, prompt_ids: list[int],
                  num_tokens: int, conversation: list[chp.ChatMessage], store: bool) -> rp.ResponseObject:
@@ -307,9 +393,7 @@ class OpenAIServingResponses(OpenAIServing):
             incomplete_details=rp.IncompleteDetails("max_output_tokens") if incomplete else None)
         if store:
             outputs = [rp.InputItem.model_validate(item) for item in msgspec.to_builtins(assembler.parts)]
-            self.stored[response.id] = (response, conversation + to_chat_messages(outputs))
-            while len(self.stored) > MAX_STORED_RESPONSES:
-                self.stored.popitem(last=False)
+            self.store(response, conversation + to_chat_messages(outputs))
         return response
 
     def streamed_response(self, stream: GenerationStream, echo: dict, prompt_ids: list[int], parser: ChatOutputParser,
@@ -345,6 +429,13 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     async def create_response(body: rp.ResponsesRequest, raw: Request):
         return await responses.create_response(body, raw)
 
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str):
+    # One route for both methods, so that a 405 on it lists both in Allow (two routes would list the first's).
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, raw: Request):
+        if raw.method == "DELETE":
+            return await responses.delete(response_id)
         return responses.retrieve(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await responses.cancel(response_id)
