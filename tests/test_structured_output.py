@@ -116,6 +116,50 @@ def test_length_cut_and_compiler_errors(llm):
         StructuredOutputsParams(regex="a", choice=["b"])
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}
+ANSWER_TAG = {"type": "tag", "begin": "<answer>", "content": {"type": "json_schema", "json_schema": CITY},
+              "end": "</answer>"}
+LEGACY_TAG = {"structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"}],
+              "triggers": ["<function="]}
+
+
+def wrapped_city(text: str) -> bool:
+    match = re.fullmatch(r"<answer>(.*)</answer>", text, re.S)
+    try:
+        jsonschema.validate(json.loads(match.group(1)), CITY)
+        return True
+    except (AttributeError, ValueError, jsonschema.ValidationError):
+        return False
+
+
+def test_structural_tags_always_match(llm):
+    """xgrammar's structural tag (vLLM's structural_tag): a tag around a JSON schema, sampled with several seeds."""
+    spec = StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": ANSWER_TAG}))
+    params = [SamplingParams(temperature=1.0, max_tokens=40, seed=i, structured_outputs=spec) for i in range(6)]
+    outs = llm.generate([chat_prompt(llm, "Which city is the capital of France?")] * 6, params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(wrapped_city(t) for t in texts), texts
+
+
+def test_legacy_structural_tag_opens_on_its_trigger(llm):
+    """vLLM's legacy form: free text until a trigger, then the structure's begin, JSON of its schema, and end.
+    Checked with the compiled grammar's own matcher on texts the model need not write."""
+    from tokenmill.engine.structured_output import GrammarCompiler
+    compiler = GrammarCompiler(llm.tokenizer, len(llm.tokenizer))
+    compiled = compiler.compile(StructuredOutputsParams(structural_tag=json.dumps(LEGACY_TAG)))
+
+    def accepts(text: str) -> bool:
+        return compiler.xgr.GrammarMatcher(compiled).accept_string(text)
+    assert accepts('Let me check. <function=get_weather>{"city": "Paris"}</function> Done.')
+    assert accepts("No call at all.")
+    assert not accepts('<function=get_weather>{"town": "Paris"}')  # the schema holds inside the structure
+    assert not accepts("<function=get_time>")  # a trigger opens one of the structures only
+    with pytest.raises(ParamError, match="begin, schema and end"):
+        compiler.compile(StructuredOutputsParams(structural_tag=json.dumps({"structures": [{"begin": "a"}],
+                                                                               "triggers": ["a"]})))
+
+
 # ---- over HTTP ----
 
 def post(server, path: str, body: dict) -> httpx.Response:
@@ -157,3 +201,26 @@ def test_openai_response_format_and_vllm_fields(server):
     assert bad.status_code == 400 and "objectx" in bad.json()["error"]["message"]
     both = post(server, "/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]})
     assert both.status_code == 400
+
+
+def test_structural_tag_over_http(server):
+    """vLLM's response_format structural_tag, in both forms, and structured_outputs.structural_tag; malformed ones
+    are 400s naming response_format."""
+    chat = {"messages": [{"role": "user", "content": "Which city is the capital of Italy?"}], "max_tokens": 40,
+            "temperature": 0.8}
+    tagged = post(server, "/v1/chat/completions", {**chat, "response_format": {"type": "structural_tag",
+                                                                                "format": ANSWER_TAG}})
+    assert tagged.status_code == 200 and wrapped_city(tagged.json()["choices"][0]["message"]["content"]), tagged.text
+    as_text = post(server, "/v1/completions", {"prompt": "The capital of Spain:", "max_tokens": 40,
+                                               "structured_outputs": {"structural_tag": json.dumps(
+                                                   {"type": "structural_tag", "format": ANSWER_TAG})}})
+    assert wrapped_city(as_text.json()["choices"][0]["text"]), as_text.text
+    legacy = post(server, "/v1/chat/completions", {**chat, "max_tokens": 8,
+                                                   "response_format": {"type": "structural_tag", **LEGACY_TAG}})
+    assert legacy.status_code == 200, legacy.text
+    for bad in ({"type": "structural_tag"}, {"type": "structural_tag", "format": ANSWER_TAG, **LEGACY_TAG},
+                {"type": "structural_tag", "structures": LEGACY_TAG["structures"], "triggers": []},
+                {"type": "structural_tag", "format": {"type": "no-such-format"}},
+                {"type": "json_object", "format": ANSWER_TAG}):
+        r = post(server, "/v1/chat/completions", {**chat, "response_format": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", (bad, r.text)

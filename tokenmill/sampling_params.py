@@ -18,19 +18,22 @@ class ParamError(ValueError):
 @dataclass
 class StructuredOutputsParams:
     """Exactly one constraint, as in vLLM: a JSON schema (dict or text), any JSON object, a regex, a choice
-    among strings, or an EBNF grammar (xgrammar's dialect, rule `root`)."""
+    among strings, an EBNF grammar (xgrammar's dialect, rule `root`), or a structural tag (JSON text: xgrammar's
+    {"type": "structural_tag", "format": ...}, or vLLM's legacy {"structures": [...], "triggers": [...]})."""
     json: str | dict | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self):
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ParamError("structured output takes exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {given or 'none'}", "structured_outputs")
+            raise ParamError("structured output takes exactly one of json, json_object, regex, choice, grammar, "
+                             f"structural_tag; got {given or 'none'}", "structured_outputs")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ParamError("choice must be a non-empty list of strings", "guided_choice")
 

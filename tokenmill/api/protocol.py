@@ -79,18 +79,31 @@ class JsonSchemaFormat(_Request):
     strict: bool | None = None
 
 
+class LegacyStructuralTag(_Request):
+    """One of a structural_tag's `structures` (vLLM's legacy form): after `begin`, JSON of `schema`, then `end`."""
+    begin: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: str
+
+
 class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's types, and vLLM's structural_tag in either of its forms: xgrammar's structural tag as `format`, or
+    the legacy `structures` with the `triggers` that open them (free text elsewhere)."""
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[LegacyStructuralTag] | None = None
+    triggers: list[str] | None = None
 
 
 class StructuredOutputsField(_Request):
-    """vLLM's `structured_outputs` request field: one of these."""
+    """vLLM's `structured_outputs` request field: one of these (structural_tag: as JSON text)."""
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
 
 class KVTransferParamsField(BaseModel):

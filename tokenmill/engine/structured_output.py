@@ -1,4 +1,4 @@
-"""Constrained decoding with xgrammar: JSON schema, JSON object, regex, choice and EBNF grammars.
+"""Constrained decoding with xgrammar: JSON schema, JSON object, regex, choice, EBNF grammars and structural tags.
 
 Each constrained request owns a GrammarMatcher. Before sampling, the runner asks for a token bitmask for the rows
 of constrained requests and masks their logits; free requests in the same batch are untouched. After sampling,
@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -33,6 +34,8 @@ def grammar_key(spec: StructuredOutputsParams) -> tuple[str, str]:
         return "regex", spec.regex
     if spec.choice is not None:
         return "choice", json.dumps(spec.choice)
+    if spec.structural_tag is not None:
+        return "structural_tag", spec.structural_tag
     return "grammar", spec.grammar
 
 
@@ -69,15 +72,34 @@ class GrammarCompiler:
                 compiled = self.compiler.compile_regex(text)
             elif kind == "choice":
                 compiled = self.compiler.compile_grammar(_choice_grammar(spec.choice))
+            elif kind == "structural_tag":
+                compiled = self._compile_structural_tag(text)
             else:
                 compiled = self.compiler.compile_grammar(text)
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
             # xgrammar prefixes "[hh:mm:ss] /path/file.cc:line: "; the rest is the compiler's own message
             message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip()) or type(e).__name__
-            raise ParamError(f"invalid {kind.replace('_', ' ')} for structured output: {message}",
-                             "response_format" if kind in ("json", "json_object") else f"guided_{kind}") from None
+            param = "response_format" if kind in ("json", "json_object", "structural_tag") else f"guided_{kind}"
+            raise ParamError(f"invalid {kind.replace('_', ' ')} for structured output: {message}", param) from None
         self._cache[(kind, text)] = compiled
         return compiled
+
+    def _compile_structural_tag(self, text: str):
+        """vLLM's two forms: the legacy one (each structure's begin, JSON schema and end, opened after any of the
+        triggers) through xgrammar's tag items; otherwise xgrammar's own structural tag JSON."""
+        tag = json.loads(text)
+        if isinstance(tag, dict) and "structures" in tag:
+            try:
+                items = [self.xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema") or {}),
+                                                    end=s["end"]) for s in tag["structures"]]
+                triggers = list(tag["triggers"])
+            except (KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"the legacy form takes structures (each with begin, schema and end) and triggers; "
+                                 f"{type(e).__name__}: {e}") from None
+            with warnings.catch_warnings():  # the legacy call is deprecated in xgrammar, not in vLLM's API
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return self.compiler.compile_structural_tag(items, triggers)
+        return self.compiler.compile_structural_tag(text)
 
 
 class StructuredOutputManager:

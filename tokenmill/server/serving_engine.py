@@ -2,6 +2,7 @@
 collecting a non-streaming response, usage, and the request's trace. One subclass per endpoint family."""
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,25 @@ class CollectedChoice:
 
 # vLLM's stand-in for -inf in logprobs (JSON has no infinity)
 MIN_LOGPROB = -9999.0
+
+
+# response_format's fields by type; any other given is a 400 (never ignored)
+FORMAT_FIELDS = {"json_schema": ("json_schema",), "structural_tag": ("format", "structures", "triggers")}
+
+
+def structural_tag_text(fmt: p.ResponseFormat) -> str:
+    """response_format's structural_tag as the JSON text the compiler takes: `format` (xgrammar's form) or
+    `structures` with `triggers` (vLLM's legacy form), exactly one of them."""
+    legacy = fmt.structures is not None or fmt.triggers is not None
+    if (fmt.format is not None) == legacy:
+        raise ParamError("response_format structural_tag takes either format, or structures with triggers",
+                         "response_format")
+    if fmt.format is not None:
+        return json.dumps({"type": "structural_tag", "format": fmt.format})
+    if not fmt.structures or not fmt.triggers:
+        raise ParamError("response_format structural_tag needs non-empty structures and triggers", "response_format")
+    return json.dumps({"structures": [s.model_dump(by_alias=True) for s in fmt.structures],
+                       "triggers": fmt.triggers})
 
 
 class OpenAIServing:
@@ -186,9 +206,17 @@ class OpenAIServing:
         schema, regex or grammar is a 400 quoting the compiler (and the engine finds it in the cache)."""
         specs = []
         fmt = req.response_format
+        if fmt is not None:
+            stray = [name for name in ("json_schema", "format", "structures", "triggers")
+                     if getattr(fmt, name) is not None and name not in FORMAT_FIELDS.get(fmt.type, ())]
+            if stray:
+                raise ParamError(f"response_format of type {fmt.type} does not take {', '.join(stray)}",
+                                 "response_format")
         if fmt is not None and fmt.type != "text":
             if fmt.type == "json_object":
                 specs.append(StructuredOutputsParams(json_object=True))
+            elif fmt.type == "structural_tag":
+                specs.append(StructuredOutputsParams(structural_tag=structural_tag_text(fmt)))
             else:  # json_schema: the only other type the request model admits
                 if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                     raise ParamError("response_format json_schema needs json_schema.schema", "response_format")
@@ -200,7 +228,8 @@ class OpenAIServing:
         so = req.structured_outputs
         if so is not None:
             specs.append(StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
-                                                 choice=so.choice, grammar=so.grammar))
+                                                 choice=so.choice, grammar=so.grammar,
+                                                 structural_tag=so.structural_tag))
         if not specs:
             return None
         if len(specs) > 1:
