@@ -12,6 +12,10 @@ def _cache_dir() -> str:
     return os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
 
 
+def _flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default).strip().lower() in ("1", "true")
+
+
 ENVIRONMENT_VARIABLES: dict[str, Callable[[], object]] = {
     # `tokenmill serve`: the key /v1/* requires when --api-key is not given
     "TOKENMILL_API_KEY": lambda: os.environ.get("TOKENMILL_API_KEY") or None,
@@ -34,6 +38,14 @@ ENVIRONMENT_VARIABLES: dict[str, Callable[[], object]] = {
     # vLLM's: "1" or "true" serves its development endpoints (POST /reset_prefix_cache, /sleep, /wake_up, GET
     # /is_sleeping)
     "VLLM_SERVER_DEV_MODE": lambda: os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true"),
+    # vLLM's: a directory turns on POST /start_profile and /stop_profile (LLM.start_profile, stop_profile): torch's
+    # profiler records the engine process in between, and writes a Chrome trace (.pt.trace.json.gz) there
+    "VLLM_TORCH_PROFILER_DIR": lambda: os.environ.get("VLLM_TORCH_PROFILER_DIR") or None,
+    # vLLM's, for that profiler: record op input shapes, Python stacks (on by default), memory, and FLOPs estimates
+    "VLLM_TORCH_PROFILER_RECORD_SHAPES": lambda: _flag("VLLM_TORCH_PROFILER_RECORD_SHAPES", "0"),
+    "VLLM_TORCH_PROFILER_WITH_STACK": lambda: _flag("VLLM_TORCH_PROFILER_WITH_STACK", "1"),
+    "VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY": lambda: _flag("VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY", "0"),
+    "VLLM_TORCH_PROFILER_WITH_FLOPS": lambda: _flag("VLLM_TORCH_PROFILER_WITH_FLOPS", "0"),
     # the C++ compiler for the CPU kernels
     "CXX": lambda: os.environ.get("CXX") or "g++",
     # torch's thread count in the engine process; when set, tokenmill does not choose one

@@ -42,6 +42,15 @@ class LLM:
         """vLLM's LLM.wake_up: restores the parts named ("weights", "kv_cache"), both by default."""
         self.engine.wake_up(tags)
 
+    def start_profile(self) -> None:
+        """vLLM's LLM.start_profile: torch's profiler records the engine until stop_profile (needs
+        VLLM_TORCH_PROFILER_DIR, where the trace goes)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """vLLM's LLM.stop_profile: ends the recording and writes its Chrome trace."""
+        self.engine.stop_profile()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what generate() and chat() use when given no SamplingParams, the model's generation_config.json
         defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over

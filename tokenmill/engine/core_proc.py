@@ -31,9 +31,10 @@ from tokenmill.engine.messages import (
     EngineInput,
     EngineReady,
     EngineStartupFailed,
-    LoRAReply,
+    ControlReply,
     RemoveLoRA,
     EngineCoreOutput,
+    Profile,
     ResetPrefixCache,
     RequestError,
     Shutdown,
@@ -135,7 +136,7 @@ class EngineCoreLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.errors: list[RequestError] = []
         self.stats_queries: list[int] = []
-        self.lora_replies: list[LoRAReply] = []
+        self.control_replies: list[ControlReply] = []
         self.aborted = False  # since the last message: the state changed without a step
         # Sleep and WakeUp in arrival order, one at a time: a Sleep in "wait" mode stays first until the engine
         # has finished its requests, so that concurrent callers' sleeps and wakes apply in the order they came
@@ -160,17 +161,18 @@ class EngineCoreLoop:
                 events = self.engine.kv_cache.take_events()
                 if events:
                     self.kv_event_publisher.publish(events)
-            if stepped or self.errors or self.stats_queries or self.aborted or self.lora_replies or self.sleep_replies:
+            replies = self.stats_queries or self.control_replies or self.sleep_replies
+            if stepped or self.errors or self.aborted or replies:
                 stats = [StatsReply(q, self.engine.scheduler_stats()) for q in self.stats_queries]
                 # Every change of state is reported (an abort frees blocks with no step after it), so the server's
                 # copy is always current and /metrics never has to wait for a step to end.
                 sched_stats = None
                 if stepped or self.aborted:
                     sched_stats = self.engine.scheduler_stats(self.engine.last_step_tokens if stepped else 0)
-                msg = EngineCoreOutputs(outputs, self.errors, stats, time.monotonic(), sched_stats, self.lora_replies,
-                                        self.sleep_replies)
+                msg = EngineCoreOutputs(outputs, self.errors, stats, time.monotonic(), sched_stats,
+                                        self.control_replies, self.sleep_replies)
                 self.outputs.send(self.encoder.encode(msg), copy=False)
-                self.errors, self.stats_queries, self.aborted, self.lora_replies = [], [], False, []
+                self.errors, self.stats_queries, self.aborted, self.control_replies = [], [], False, []
                 self.sleep_replies = []
 
     def _wait_for_input(self) -> None:
@@ -221,7 +223,13 @@ class EngineCoreLoop:
                 self.kv_event_publisher.publish(self.engine.kv_cache.take_events())
             self.stats_queries.append(msg.query_id)
         elif isinstance(msg, (AddLoRA, RemoveLoRA)):
-            self.lora_replies.append(self._lora_reply(msg))
+            self.control_replies.append(self._lora_reply(msg))
+        elif isinstance(msg, Profile):
+            try:
+                self.engine.start_profile() if msg.start else self.engine.stop_profile()
+                self.control_replies.append(ControlReply(msg.query_id))
+            except ValueError as e:
+                self.control_replies.append(ControlReply(msg.query_id, str(e)))
         elif isinstance(msg, (Sleep, WakeUp)):
             self.sleep_ops.append(msg)
         elif isinstance(msg, Shutdown):
@@ -258,15 +266,15 @@ class EngineCoreLoop:
             self.sleep_replies.append(SleepReply(op.query_id, engine.sleep_level, engine.asleep_parts(),
                                                  engine.scheduler_stats(), error))
 
-    def _lora_reply(self, msg: AddLoRA | RemoveLoRA) -> LoRAReply:
+    def _lora_reply(self, msg: AddLoRA | RemoveLoRA) -> ControlReply:
         try:
             if isinstance(msg, AddLoRA):
                 self.engine.add_lora(msg.lora_request)
             elif not self.engine.remove_lora(msg.lora_int_id):
-                return LoRAReply(msg.query_id, f"LoRA adapter id {msg.lora_int_id} is not loaded", not_found=True)
+                return ControlReply(msg.query_id, f"LoRA adapter id {msg.lora_int_id} is not loaded", not_found=True)
         except ValueError as e:  # lora.adapter.LoRAError (not imported: the API server imports this module), ParamError
-            return LoRAReply(msg.query_id, str(e), getattr(e, "not_found", False))
+            return ControlReply(msg.query_id, str(e), getattr(e, "not_found", False))
         except Exception as e:  # noqa: BLE001 - one bad adapter must not take the engine down
             logger.exception("loading a LoRA adapter failed")
-            return LoRAReply(msg.query_id, f"{type(e).__name__}: {e}")
-        return LoRAReply(msg.query_id)
+            return ControlReply(msg.query_id, f"{type(e).__name__}: {e}")
+        return ControlReply(msg.query_id)

@@ -2,7 +2,7 @@
 
 Two ZMQ PUSH/PULL sockets over ipc:// carry msgpack (msgspec, the typed Structs below):
   API server → engine: AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA |
-  ResetPrefixCache | Sleep | WakeUp | Shutdown
+  ResetPrefixCache | Sleep | WakeUp | Profile | Shutdown
   engine → API server: EngineReady | EngineStartupFailed (once), then EngineCoreOutputs (one per step)
 
 This module imports no torch (nor anything that does): the API server process, the router and the benchmarks
@@ -46,13 +46,13 @@ class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
 
 
 class AddLoRA(msgspec.Struct, tag="add_lora", array_like=True):
-    """Load an adapter into the engine's CPU cache now (the API's load_lora_adapter); answered by a LoRAReply."""
+    """Load an adapter into the engine's CPU cache now (the API's load_lora_adapter); answered by a ControlReply."""
     query_id: int
     lora_request: LoRARequest
 
 
 class RemoveLoRA(msgspec.Struct, tag="remove_lora", array_like=True):
-    """Unload an adapter once its requests have finished (unload_lora_adapter); answered by a LoRAReply."""
+    """Unload an adapter once its requests have finished (unload_lora_adapter); answered by a ControlReply."""
     query_id: int
     lora_int_id: int
 
@@ -79,13 +79,20 @@ class WakeUp(msgspec.Struct, tag="wake_up", array_like=True):
     tags: list[str] | None = None
 
 
+class Profile(msgspec.Struct, tag="profile", array_like=True):
+    """Start (or stop) torch's profiler in the engine process (vLLM's POST /start_profile, /stop_profile, with
+    VLLM_TORCH_PROFILER_DIR); answered by a ControlReply."""
+    query_id: int
+    start: bool
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """End the engine process now (the API server stops): it ignores SIGTERM, which a process group gets all at
     once, so that only the API server, once it has drained its requests, decides when the engine ends."""
 
 
 EngineInput = (AddRequest | AddRequests | AbortRequests | StatsQuery | AddLoRA | RemoveLoRA | ResetPrefixCache | Sleep
-               | WakeUp | Shutdown)
+               | WakeUp | Profile | Shutdown)
 
 
 # ---- engine → API server ----
@@ -201,8 +208,9 @@ class StatsReply(msgspec.Struct, array_like=True):
     stats: SchedulerStats
 
 
-class LoRAReply(msgspec.Struct, array_like=True):
-    """AddLoRA or RemoveLoRA done (error None), or why not; not_found: no adapter at the path (vLLM's 404)."""
+class ControlReply(msgspec.Struct, array_like=True):
+    """AddLoRA, RemoveLoRA or Profile done (error None), or why not; not_found: no adapter at the path (vLLM's
+    404)."""
     query_id: int
     error: str | None = None
     not_found: bool = False
@@ -224,7 +232,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
     stats: list[StatsReply] = []
     timestamp: float = 0.0  # time.monotonic() when the step ended: the time of every token in `outputs`
     scheduler_stats: SchedulerStats | None = None  # after a step; None when no step ran
-    lora_replies: list[LoRAReply] = []
+    control_replies: list[ControlReply] = []
     sleep_replies: list[SleepReply] = []
 
 

@@ -117,6 +117,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         add_sleep_routes(app, app.state.sleep)  # POST /sleep, POST /wake_up, GET /is_sleeping
 
+    if envs.VLLM_TORCH_PROFILER_DIR:  # as vLLM: served only when a directory for the traces is set
+        @app.post("/start_profile")
+        async def start_profile():
+            """torch's profiler records the engine process from now on; 200 with no body, as vLLM."""
+            await state.client.start_profile()
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile():
+            """The recording ends; its Chrome trace is in VLLM_TORCH_PROFILER_DIR when this answers."""
+            await state.client.stop_profile()
+            return Response(status_code=200)
+
     @app.post("/v1/completions")
     async def create_completion(body: cp.CompletionRequest, raw: Request):
         return _with_load_report(await completions.create_completion(body, raw), raw, state)

@@ -26,8 +26,8 @@ import zmq.asyncio
 from tokenmill.api.errors import EngineDeadError, LoRANotFound, ServiceUnavailable, StreamStalled
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import run_engine_core
-from tokenmill.engine.messages import (AbortRequests, AddLoRA, AddRequest, AddRequests, EngineCoreOutputs,
-                                       EngineMessage, EngineReady, EngineStartupFailed, LoRAReply, RemoveLoRA,
+from tokenmill.engine.messages import (AbortRequests, AddLoRA, AddRequest, AddRequests, ControlReply, EngineCoreOutputs,
+                                       EngineMessage, EngineReady, EngineStartupFailed, Profile, RemoveLoRA,
                                        ResetPrefixCache, SchedulerStats, Shutdown, Sleep, SleepReply, StatsQuery,
                                        WakeUp)
 from tokenmill.lora.request import LoRARequest
@@ -63,7 +63,7 @@ class EngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._queues: dict[str, asyncio.Queue] = {}  # engine request id → its stream's queue
-        self._stats_waiters: dict[int, asyncio.Future] = {}  # query id → its StatsReply's (or LoRAReply's) future
+        self._stats_waiters: dict[int, asyncio.Future] = {}  # query id → its StatsReply's (or ControlReply's) future
         self._query_ids = itertools.count()
         self.metrics: ServerMetrics | None = None  # set by the server once the engine is ready
         self.on_dead = lambda reason: None  # called once, after the pending requests have been failed
@@ -243,10 +243,10 @@ class EngineClient:
                 queue = self._queues.pop(err.request_id, None)
                 if queue is not None:
                     queue.put_nowait(err)
-            for reply in [*msg.stats, *msg.lora_replies, *msg.sleep_replies]:
+            for reply in [*msg.stats, *msg.control_replies, *msg.sleep_replies]:
                 waiter = self._stats_waiters.pop(reply.query_id, None)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(reply if isinstance(reply, (LoRAReply, SleepReply)) else reply.stats)
+                    waiter.set_result(reply if isinstance(reply, (ControlReply, SleepReply)) else reply.stats)
 
     async def _abort_stalled_streams(self) -> None:
         """Fails the streams whose reader has left output unread for longer than the stall timeout; forgets the
@@ -345,23 +345,32 @@ class EngineClient:
     async def add_lora(self, lora_request: LoRARequest, timeout_s: float = 300.0) -> None:
         """Loads an adapter into the engine (vLLM's add_lora): raises LoRANotFound when its path holds none, and
         ParamError when it cannot be served."""
-        await self._lora_call(AddLoRA(next(self._query_ids), lora_request), timeout_s)
+        await self._control_call(AddLoRA(next(self._query_ids), lora_request), timeout_s)
 
     async def remove_lora(self, lora_int_id: int, timeout_s: float = 60.0) -> None:
         """Unloads an adapter; the engine keeps it until the requests that use it have finished."""
-        await self._lora_call(RemoveLoRA(next(self._query_ids), lora_int_id), timeout_s)
+        await self._control_call(RemoveLoRA(next(self._query_ids), lora_int_id), timeout_s)
 
-    async def _lora_call(self, msg: AddLoRA | RemoveLoRA, timeout_s: float) -> None:
+    async def start_profile(self, timeout_s: float = 60.0) -> None:
+        """vLLM's start_profile (VLLM_TORCH_PROFILER_DIR): torch's profiler records the engine from now on."""
+        await self._control_call(Profile(next(self._query_ids), True), timeout_s, None)
+
+    async def stop_profile(self, timeout_s: float = 600.0) -> None:
+        """vLLM's stop_profile: the recording ends and its trace is written (which can take a while)."""
+        await self._control_call(Profile(next(self._query_ids), False), timeout_s, None)
+
+    async def _control_call(self, msg: AddLoRA | RemoveLoRA | Profile, timeout_s: float,
+                            param: str | None = "lora_path") -> None:
         self.check_alive()
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters[msg.query_id] = waiter
         self._send(msg)
         try:
-            reply: LoRAReply = await asyncio.wait_for(waiter, timeout_s)
+            reply: ControlReply = await asyncio.wait_for(waiter, timeout_s)
         finally:
             self._stats_waiters.pop(msg.query_id, None)
         if reply.error is not None:
-            raise LoRANotFound(reply.error) if reply.not_found else ParamError(reply.error, "lora_path")
+            raise LoRANotFound(reply.error) if reply.not_found else ParamError(reply.error, param)
 
     def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams, tokenizer,
                  priority: int = 0, lora_request: LoRARequest | None = None) -> GenerationStream:

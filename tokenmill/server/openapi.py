@@ -95,6 +95,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/load_lora_adapter", "post"): {TEXT: STRING},
     ("/v1/unload_lora_adapter", "post"): {TEXT: STRING},
     ("/reset_prefix_cache", "post"): {},  # with VLLM_SERVER_DEV_MODE: no body, as vLLM
+    ("/start_profile", "post"): {},  # with VLLM_TORCH_PROFILER_DIR: no body, as vLLM
+    ("/stop_profile", "post"): {},
     ("/sleep", "post"): {},  # the same, with --enable-sleep-mode (tokenmill/server/sleep_mode.py)
     ("/wake_up", "post"): {},
     ("/is_sleeping", "get"): {JSON: {"type": "object", "properties": {"is_sleeping": {"type": "boolean"}},
