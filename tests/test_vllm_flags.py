@@ -52,6 +52,10 @@ def parse(*argv: str, monkeypatch) -> tuple[EngineConfig, ServerConfig]:
     (["--chat-template-content-format", "openai"], "server", "chat_template_content_format", "openai"),
     (["--root-path", "/api"], "server", "root_path", "/api"),
     (["--disable-fastapi-docs"], "server", "disable_fastapi_docs", True),
+    (["--disable-uvicorn-access-log"], "server", "disable_uvicorn_access_log", True),
+    (["--max-log-len", "100"], "server", "max_log_len", 100),
+    (["--override-generation-config", '{"temperature": 0.5}'], "engine", "override_generation_config",
+     {"temperature": 0.5}),
 ])
 def test_vllm_flag_parses(argv, config, field, value, monkeypatch):
     engine, server = parse(*argv, monkeypatch=monkeypatch)
@@ -75,6 +79,8 @@ def test_structured_outputs_backend_dotted_and_json(monkeypatch):
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in"),
     (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB"], "not both"),
     (["--ssl-keyfile", "key.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+    (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
+    (["--override-generation-config", "[1]"], "--override-generation-config takes a JSON object"),
 ])
 def test_vllm_flag_refused_with_its_name(argv, message, monkeypatch):
     with pytest.raises(ValueError, match=message):
@@ -164,6 +170,12 @@ def test_generation_config_defaults(tiny_model, tmp_path):
     from tokenmill.models.generation_config import generation_defaults
     assert generation_defaults(tiny_model) == {"temperature": 0.25, "top_k": 7, "max_tokens": 3}
     assert generation_defaults(tiny_model, "vllm") == {}
+    # --override-generation-config: merged over the file's (vLLM's rule), alone with vllm; other keys refused
+    override = {"top_k": 5, "max_new_tokens": 9}
+    assert generation_defaults(tiny_model, "auto", override) == {"temperature": 0.25, "top_k": 5, "max_tokens": 9}
+    assert generation_defaults(tiny_model, "vllm", override) == {"top_k": 5, "max_tokens": 9}
+    with pytest.raises(ValueError, match="--override-generation-config: do_sample not among"):
+        generation_defaults(tiny_model, "auto", {"do_sample": True})
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
     assert generation_defaults(tiny_model, str(tmp_path)) == {"top_p": 0.5}
     with pytest.raises(FileNotFoundError, match="no generation_config.json"):
@@ -283,7 +295,9 @@ def flags_server(tiny_model, tmp_path_factory):
             finally:
                 httpx.get = real_get
 
-    server = HttpsServer(["--config", str(cfg), "--enable-log-requests"], model=tiny_model,
+    server = HttpsServer(["--config", str(cfg), "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "4",
+                          "--override-generation-config", '{"top_k": 5}', "--disable-uvicorn-access-log",
+                          "--uvicorn-log-level", "info"], model=tiny_model,
                          server_args=["--dtype", "float32", "--kv-cache-memory", "16MiB", "--uvicorn-log-level",
                                       "warning", "--api-key", "k"])
     yield server
@@ -303,5 +317,11 @@ def test_real_server_with_vllm_flags(flags_server):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"
     log = flags_server.log_tail(20000)
-    assert "Received request chatcmpl-" in log and "temperature=0.25" in log and "top_k=7" in log, log[-3000:]
+    # generation_config.json's temperature, and --override-generation-config's top_k over its 7
+    assert "Received request chatcmpl-" in log and "temperature=0.25" in log and "top_k=5" in log, log[-3000:]
+    # --enable-log-outputs, cut to --max-log-len; no access log lines (--disable-uvicorn-access-log)
+    [generated] = [line for line in log.splitlines() if "Generated response chatcmpl-" in line]
+    assert "3 tokens, finish_reason: length, output: '" in generated and generated.endswith("'...")
+    assert len(generated.split("output: ")[1]) == len("''...") + 4
+    assert 'HTTP/1.1" 200' not in log
     assert "https://127.0.0.1" in log and f":{flags_server.port}/api" in log

@@ -315,6 +315,10 @@ class EngineConfig(CliConfig):
         "help": "default sampling parameters of requests that do not set them: auto (the model directory's "
                 "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
                 "max_tokens), vllm (none: vLLM's own defaults), or a directory holding a generation_config.json"})
+    override_generation_config: dict | None = field(default=None, metadata={
+        "type": json.loads, "help": "generation config keys set over --generation-config's defaults (alone with "
+                                    "vllm), e.g. '{\"temperature\": 0.5}': temperature, top_p, top_k, min_p, "
+                                    "repetition_penalty, max_new_tokens"})
     seed: int = field(default=0, metadata={"help": "seed for unseeded sampling"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
@@ -438,6 +442,9 @@ class EngineConfig(CliConfig):
                 raise ValueError("give --gpu-memory-utilization or --kv-cache-memory, not both")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"--hf-overrides takes a JSON object, got {self.hf_overrides!r}")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"--override-generation-config takes a JSON object, got "
+                             f"{self.override_generation_config!r}")
         self.kv_transfer_config = KVTransferConfig.from_json(self.kv_transfer_config)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")

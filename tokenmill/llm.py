@@ -31,7 +31,8 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine.model_info.path, self.config.tokenizer)
         self._ids = itertools.count()
         # generation_config (auto, vllm or a directory): the model's recommended sampling, as the server applies it
-        self._generation_defaults = generation_defaults(self.engine.model_info.path, self.config.generation_config)
+        self._generation_defaults = generation_defaults(self.engine.model_info.path, self.config.generation_config,
+                                                      self.config.override_generation_config)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's LLM.sleep (needs enable_sleep_mode=True): level 1 frees the KV cache and the caches built from

@@ -96,12 +96,23 @@ class ServerConfig(CliConfig):
     log_format: str = field(default="text", metadata={"choices": ["text", "json"], "help": "text or JSON log lines"})
     uvicorn_log_level: str = field(default="info", metadata={
         "choices": ["critical", "error", "warning", "info", "debug", "trace"], "help": "uvicorn's log level"})
+    disable_uvicorn_access_log: bool = field(default=False, metadata={
+        "help": "no access log line per HTTP request (uvicorn's)"})
+    enable_log_outputs: bool = field(default=False, metadata={
+        "help": "with --enable-log-requests, log each generation request's output when it ends: every sample's "
+                "text, token count and finish reason"})
+    max_log_len: int | None = field(default=None, metadata={
+        "help": "the most characters of an output's text a log line carries (default: all)"})
 
     def __post_init__(self):
         if self.max_n < 1:
             raise ValueError("--max-n must be at least 1")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("--enable-log-outputs needs --enable-log-requests (as in vLLM)")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be at least 0, got {self.max_log_len}")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
 

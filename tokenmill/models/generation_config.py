@@ -13,9 +13,22 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(model_path: str, flag: str = "auto") -> dict:
+def generation_defaults(model_path: str, flag: str = "auto", override: dict | None = None) -> dict:
     """flag: auto (the model directory's file; a GGUF file has none), vllm (no defaults), or a directory whose
-    generation_config.json is read, which must be there."""
+    generation_config.json is read, which must be there. override (--override-generation-config): generation
+    config keys set over those (alone with vllm), as vLLM merges them; another key is a ValueError naming it."""
+    unknown = sorted(set(override or {}) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: {', '.join(unknown)} not among the keys it sets "
+                         f"({', '.join(SAMPLING_KEYS)})")
+    defaults = _file_defaults(model_path, flag)
+    defaults.update({SAMPLING_KEYS[key]: value for key, value in (override or {}).items()})
+    if override:
+        logger.info("default sampling parameters with --override-generation-config: %s", defaults)
+    return defaults
+
+
+def _file_defaults(model_path: str, flag: str) -> dict:
     if flag == "vllm":
         return {}
     folder = model_path if flag == "auto" else flag

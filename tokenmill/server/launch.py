@@ -128,15 +128,17 @@ async def make_app(state: ServerState):
 async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     try:
         model_path = resolve_model_path(engine_config.model, engine_config.download_dir)
-        generation_defaults = generation_config.generation_defaults(model_path, engine_config.generation_config)
+        generation_defaults = generation_config.generation_defaults(
+            model_path, engine_config.generation_config, engine_config.override_generation_config)
         sock = _bind(config.host, config.port)
-    except (FileNotFoundError, OSError) as e:
+    except (OSError, ValueError) as e:
         logger.error("%s", e)
         return 1
     lifecycle = Lifecycle(config.shutdown_timeout)
     root = LifecycleApp(lifecycle)
     # log_config=None: uvicorn's loggers keep our handler (text or JSON, with request ids)
     server = DrainingServer(uvicorn.Config(root, log_level=config.uvicorn_log_level, timeout_keep_alive=30,
+                                           access_log=not config.disable_uvicorn_access_log,
                                            lifespan="off", timeout_graceful_shutdown=5, log_config=None,
                                            ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                                            root_path=config.root_path or ""), lifecycle)

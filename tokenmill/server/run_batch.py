@@ -215,8 +215,9 @@ async def run(config: ServerConfig, engine_config: EngineConfig, args: argparse.
     logger.info("run-batch: %d requests from %s", len(requests), args.input_file)
     try:
         model_path = resolve_model_path(engine_config.model, engine_config.download_dir)
-        generation_defaults = generation_config.generation_defaults(model_path, engine_config.generation_config)
-    except (FileNotFoundError, OSError) as e:
+        generation_defaults = generation_config.generation_defaults(
+            model_path, engine_config.generation_config, engine_config.override_generation_config)
+    except (OSError, ValueError) as e:
         logger.error("%s", e)
         return 1
     client = EngineClient(engine_config)

@@ -264,8 +264,26 @@ class OpenAIServing:
                 params.temperature, params.top_p, params.n, input_tokens=sum(len(ids) for ids in prompts), user=user)
             if state.tracer.include_text:
                 stream.trace.prompt_text = "".join(state.tokenizer.decode(ids) for ids in prompts)
-            stream.on_close = self._record_trace
+        if state.tracer is not None or state.config.enable_log_outputs:
+            stream.on_close = self._ended
         return stream
+
+    def _ended(self, stream: GenerationStream) -> None:
+        """A stream's end: its output logged (--enable-log-outputs) and its trace recorded (tracing on)."""
+        if self.state.config.enable_log_outputs:
+            self._log_outputs(stream)
+        if stream.trace is not None:
+            self._record_trace(stream)
+
+    def _log_outputs(self, stream: GenerationStream) -> None:
+        """--enable-log-outputs: each sample's text (cut to --max-log-len), its token count and finish reason."""
+        limit = self.state.config.max_log_len
+        for sample in sorted(stream.samples.values(), key=lambda s: s.index):
+            text = sample.detokenizer.text
+            logger.info("Generated response %s (sample %d): %d tokens, finish_reason: %s, output: %r%s",
+                        stream.request_id, sample.index, sample.num_tokens, sample.finish_reason or "abort",
+                        text[:limit] if limit is not None else text,
+                        "..." if limit is not None and len(text) > limit else "")
 
     def start_beam_search(self, request_id: str, prompts: list[list[int]], req: p.SamplingFields,
                           max_tokens: int | None, num_logprobs: int | None,
