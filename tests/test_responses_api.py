@@ -136,6 +136,28 @@ def test_background_through_the_sdk(server):
         client.responses.retrieve(done.id)
 
 
+def test_a_background_stream_outlives_its_client_and_resumes(server):
+    """background with stream on the real engine: the client reads two events and leaves; generation goes on (the
+    response completes), and GET ...?stream=true&starting_after=1 gives the events the client missed, the final
+    text the same as the stored response's."""
+    client = server.openai()
+    with client.responses.create(model=MODEL, input="Tell me about the sea.", max_output_tokens=24,
+                                 temperature=0, stream=True, background=True) as events:
+        seen = [next(events), next(events)]
+    assert [e.type for e in seen] == ["response.created", "response.in_progress"]
+    response_id = seen[0].response.id
+    for _ in range(600):
+        done = client.responses.retrieve(response_id)
+        if done.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert done.status in ("completed", "incomplete") and done.output_text
+    with client.responses.retrieve(response_id, stream=True, starting_after=1) as rest:
+        rest = list(rest)
+    assert rest[0].sequence_number == 2 and rest[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in rest if e.type == "response.output_text.delta") == done.output_text
+
+
 def test_max_output_tokens_makes_it_incomplete(server):
     client = server.openai()
     r = client.responses.create(model=MODEL, input="Write a long story about a dragon.", max_output_tokens=4,

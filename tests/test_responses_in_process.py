@@ -33,8 +33,9 @@ def _prompt_text(app: InProcessServer, response_id: str) -> str:
     return app.state.tokenizer.decode(prompt_ids)
 
 
-def _stream_events(r: httpx.Response) -> list[dict]:
-    """Each event is an `event: <type>` line and a `data: <json>` line whose type matches; no [DONE]."""
+def _stream_events(r: httpx.Response, first: int = 0) -> list[dict]:
+    """Each event is an `event: <type>` line and a `data: <json>` line whose type matches; no [DONE]. first: the
+    first event's sequence number (a resumed stream's)."""
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
     events = []
     for block in r.text.split("\n\n")[:-1]:
@@ -43,7 +44,7 @@ def _stream_events(r: httpx.Response) -> list[dict]:
         event = json.loads(data_line[len("data: "):])
         assert event["type"] == event_line[len("event: "):]
         events.append(event)
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["sequence_number"] for e in events] == list(range(first, first + len(events)))
     for event in events:  # strictly, as the SDK's own types say (the SDK itself does not validate)
         TypeAdapter(ResponseStreamEvent).validate_python(event)
     return events
@@ -106,8 +107,9 @@ async def test_missing_input(app):
 
 
 async def test_errors_come_before_the_stream(app):
-    r = await post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "stream": True, "background": True})
-    assert json_error(r, 400)["param"] == "stream"
+    r = await post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "stream": True, "background": True,
+                                          "store": False})
+    assert json_error(r, 400)["param"] == "background"
 
 
 async def test_unknown_ids_are_404(app):
@@ -252,6 +254,34 @@ async def test_a_background_response_whose_engine_dies_is_failed(tokenizer):
     queued = await _create(app, input="Hi", background=True)
     failed = await _poll(app, queued["id"], ("failed",))
     assert failed["error"]["code"] == "server_error" and "died" in failed["error"]["message"]
+    async with app.http() as client:  # its stream ends as OpenAI's does: an error event, then response.failed
+        events = _stream_events(await client.get(f"/v1/responses/{queued['id']}", params={"stream": "true"}))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert "died" in events[-2]["message"] and events[-1]["response"] == failed
+
+
+async def test_a_background_stream_can_be_followed_again_from_any_event(tokenizer):
+    """background with stream: the POST streams the events while they are also kept; GET ...?stream=true replays
+    them from the one after starting_after, and the replay equals the original (OpenAI's and vLLM's resume)."""
+    app = InProcessServer(tokenizer)
+    r = await post(app, "/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 6, "stream": True,
+                                          "background": True})
+    events = _stream_events(r)
+    assert events[0]["type"] == "response.created" and events[0]["response"]["status"] == "queued"
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["background"] is True
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    response_id = events[0]["response"]["id"]
+    async with app.http() as client:
+        url = f"/v1/responses/{response_id}"
+        assert _stream_events(await client.get(url, params={"stream": "true"})) == events
+        tail = _stream_events(await client.get(url, params={"stream": "true", "starting_after": 4}), first=5)
+        assert tail == events[5:]
+        assert (await client.get(url)).json() == events[-1]["response"]
+        err = json_error(await client.get(url, params={"starting_after": 4}), 400)
+        assert err["param"] == "starting_after"
+        plain = await _create(app, input="Hi")
+        err = json_error(await client.get(f"/v1/responses/{plain['id']}", params={"stream": "true"}), 400)
+        assert err["param"] == "stream"
 
 
 async def test_stream_events(app):

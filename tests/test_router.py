@@ -720,6 +720,14 @@ def test_every_endpoint_of_the_replicas_is_served_through_the_router(replicas_se
         deleted = httpx.delete(f"{router.url}/v1/responses/{background_id}", timeout=30)
         assert deleted.status_code == 200 and deleted.json()["deleted"] is True, deleted.text
         assert httpx.get(f"{router.url}/v1/responses/{background_id}", timeout=30).status_code == 404
+        # a background stream's events, followed again through the router from the replica that keeps them
+        streamed = httpx.post(router.url + "/v1/responses", timeout=120, json={
+            "model": MODEL, "input": "Name a colour.", "max_output_tokens": 3, "background": True, "stream": True})
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("}"), streamed.text
+        streamed_id = json.loads(streamed.text.split("data: ", 2)[1].split("\n", 1)[0])["response"]["id"]
+        replay = httpx.get(f"{router.url}/v1/responses/{streamed_id}", params={"stream": "true", "starting_after": 1},
+                           timeout=30)
+        assert replay.status_code == 200 and replay.text == streamed.text.split("\n\n", 2)[2], replay.text
     finally:
         router.stop()
 

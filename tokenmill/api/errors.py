@@ -140,18 +140,22 @@ def http_error_response(exc: StarletteHTTPException, anthropic: bool = False) ->
     return response
 
 
-def sse_error_event(exc: BaseException, request_id: str) -> bytes:
-    """The last event of a stream that failed after its 200 status line went out."""
+def stream_error_info(exc: BaseException, request_id: str) -> p.ErrorInfo:
+    """What a stream that failed after its 200 status line went out reports; an internal error is logged."""
     if error_kind(exc) is INTERNAL_ERROR:
         logger.error("internal error while streaming %s", request_id, exc_info=exc)
-    return b"data: " + msgspec.json.encode(p.ErrorResponse(error_info(exc))) + b"\n\n"
+    return error_info(exc)
+
+
+def sse_error_event(exc: BaseException, request_id: str) -> bytes:
+    """The last event of a stream that failed after its 200 status line went out."""
+    return b"data: " + msgspec.json.encode(p.ErrorResponse(stream_error_info(exc, request_id))) + b"\n\n"
 
 
 def anthropic_error_event(exc: BaseException, request_id: str) -> bytes:
     """sse_error_event for a /v1/messages stream: Anthropic's `error` event."""
-    if error_kind(exc) is INTERNAL_ERROR:
-        logger.error("internal error while streaming %s", request_id, exc_info=exc)
-    return b"event: error\ndata: " + msgspec.json.encode(anthropic_error(error_info(exc))) + b"\n\n"
+    info = stream_error_info(exc, request_id)
+    return b"event: error\ndata: " + msgspec.json.encode(anthropic_error(info)) + b"\n\n"
 
 
 _BOUND_ERRORS = ("greater_than_equal", "greater_than", "less_than_equal", "less_than")

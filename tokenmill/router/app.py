@@ -102,6 +102,10 @@ FORWARDED_POSTS = {
                      "/detokenize"), "other")}
 # GETs that any replica answers alike
 FORWARDED_GETS = ("/version", "/tokenizer_info")
+# A stored response is held by the replica that made it: each of these goes to the replicas in turn until one does
+# not answer 404 (forward_get), with its method and query.
+STORED_RESPONSE_ROUTES = {"/v1/responses/{response_id}": ["GET", "DELETE"],
+                          "/v1/responses/{response_id}/cancel": ["POST"]}
 
 
 class RouterGate:
@@ -208,8 +212,7 @@ def build_app(state: RouterState, lifecycle: Lifecycle | None = None):
         *(Route(path, not_served_here, methods=["POST"]) for path in FORWARDED_POSTS),
         Route("/v1/models", models, methods=["GET"]),
         *(Route(path, get_any, methods=["GET"]) for path in FORWARDED_GETS),
-        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
-        Route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"]),
+        *(Route(path, stored_response, methods=methods) for path, methods in STORED_RESPONSE_ROUTES.items()),
         *(Route(path, adapter, methods=["POST"]) for path in ADAPTER_PATHS),
         Route("/health", health, methods=["GET"]),
         Route("/health/ready", health, methods=["GET"]),

@@ -599,6 +599,8 @@ async def forward_get(state: RouterState, request: Request, skip_not_found: bool
     With skip_not_found (a stored response, held by one replica: its GET, DELETE, or POST .../cancel, none with a
     body), the first that does not answer 404."""
     answer, path, headers = None, request.url.path, _get_headers(state, request)
+    if request.url.query:  # GET /v1/responses/{id}?stream=true&starting_after=N
+        path += "?" + request.url.query
     for replica in state.replicas.routable():
         try:
             status, body, upstream_headers = await state.client.get(replica.url + path, None, headers,

@@ -76,7 +76,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/chat/completions", "post"): {JSON: _ref("ChatCompletionResponse"),
                                        SSE: _events("ChatCompletionChunk", "ChatCompletionUsageChunk")},
     ("/v1/responses", "post"): {JSON: _ref("ResponseObject"), SSE: _events(*(e.__name__ for e in rp.STREAM_EVENTS))},
-    ("/v1/responses/{response_id}", "get"): {JSON: _ref("ResponseObject")},
+    ("/v1/responses/{response_id}", "get"): {JSON: _ref("ResponseObject"),  # SSE: stream=true, background ones
+                                             SSE: _events(*(e.__name__ for e in rp.STREAM_EVENTS))},
     ("/v1/responses/{response_id}/cancel", "post"): {JSON: _ref("ResponseObject")},
     ("/v1/responses/{response_id}", "delete"): {JSON: {
         "type": "object", "required": ["id", "object", "deleted"],

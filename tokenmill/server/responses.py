@@ -84,3 +84,39 @@ class EventStreamResponse(Response):
             await self.events.aclose()
             if self.on_close is not None:
                 self.on_close()
+
+
+class EventLog:
+    """A stream's events kept as they come, for followers that may join late or come back (a background Responses
+    stream): each follower reads from the event it asks for, then waits for the next ones until the log ends."""
+
+    def __init__(self):
+        self.events: list[bytes] = []  # one SSE event each; its index is its sequence number
+        self.done = False
+        self._changed = asyncio.Event()
+
+    def extend(self, chunk: bytes) -> None:
+        """A chunk of whole events (each ends with a blank line; their JSON has no raw newlines)."""
+        self.events += [event + b"\n\n" for event in chunk.split(b"\n\n") if event]
+        self._wake()
+
+    def finish(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, start: int) -> AsyncIterator[bytes]:
+        """The events from index `start`, then each one as it comes, until the log ends."""
+        i = start
+        while True:
+            changed = self._changed
+            if i < len(self.events):
+                yield b"".join(self.events[i:])
+                i = len(self.events)
+                continue
+            if self.done:
+                return
+            await changed.wait()

@@ -184,7 +184,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
 # ---- stream events: `type` names the event; the SSE frame repeats it in its `event:` line ----
 
 class LifecycleEvent(msgspec.Struct):
-    """response.created, response.in_progress, response.completed, response.incomplete."""
+    """response.created, response.in_progress, response.completed, response.incomplete, response.failed."""
     type: str
     sequence_number: int
     response: ResponseObject
@@ -238,5 +238,14 @@ class ArgumentsDoneEvent(ItemEvent):
 
 
 # every event a /v1/responses stream sends (tokenmill/server/openapi.py documents the stream with them)
+class ErrorEvent(msgspec.Struct):
+    """error: the stream failed after it began (the engine died); response.failed follows it."""
+    type: str
+    sequence_number: int
+    code: str | None
+    message: str
+    param: str | None
+
+
 STREAM_EVENTS = (LifecycleEvent, OutputItemEvent, ContentPartEvent, TextDeltaEvent, TextDoneEvent,
-                 ArgumentsDeltaEvent, ArgumentsDoneEvent)
+                 ArgumentsDeltaEvent, ArgumentsDoneEvent, ErrorEvent)

@@ -20,12 +20,13 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response
 
 from tokenmill.api import chat_protocol as chp, protocol as p
+from tokenmill.api.errors import stream_error_info
 from tokenmill.reasoning import ReasoningSplitter
 from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from tokenmill.server import responses_protocol as rp
 from tokenmill.server.chat_output import ChatOutputParser, DeltaAssembler
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
-from tokenmill.server.responses import EventStreamResponse, json_response, sse_named_event
+from tokenmill.server.responses import EventLog, EventStreamResponse, json_response, sse_named_event
 from tokenmill.server.server_state import ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_engine import OpenAIServing
@@ -34,6 +35,7 @@ from tokenmill.tool_parsers import TOOL_PARSERS
 logger = logging.getLogger("tokenmill.server")
 
 MAX_STORED_RESPONSES = 1000  # store=true keeps the most recently used ones in memory, for GET and follow-ups
+MAX_EVENT_LOGS = 100  # the background responses whose events are kept for GET ...?stream=true
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
@@ -201,6 +203,8 @@ class OpenAIServingResponses(OpenAIServing):
         # (None while a background response runs, and for one cancelled or failed: nothing to continue)
         self.stored: OrderedDict[str, tuple[rp.ResponseObject, list[chp.ChatMessage] | None]] = OrderedDict()
         self.background: dict[str, asyncio.Task] = {}  # the background responses still running, by id
+        # the events of the latest background responses, for GET ...?stream=true (and the POST that streams one)
+        self.event_logs: OrderedDict[str, EventLog] = OrderedDict()
 
     async def create_response(self, req: rp.ResponsesRequest, raw: Request):
         state = self.state
@@ -210,8 +214,6 @@ class OpenAIServingResponses(OpenAIServing):
         if req.background and not req.store:
             raise ParamError("a background response is fetched later with GET /v1/responses/{id}: background needs "
                              "store true", "background")
-        if req.background and req.stream:
-            raise ParamError("a background response is not streamed: poll GET /v1/responses/{id} instead", "stream")
         items = [rp.InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
         conversation = self.previous_conversation(req.previous_response_id) + to_chat_messages(items)
         instructions = [chp.ChatMessage(role="system", content=req.instructions)] if req.instructions else []
@@ -238,10 +240,11 @@ class OpenAIServingResponses(OpenAIServing):
         splitter = ReasoningSplitter(state.reasoning, prompt_text) if state.reasoning is not None else None
         tool_parser = TOOL_PARSERS[state.config.auto_tool_call_parser]() if tool_mode == "auto" else None
         parser = ChatOutputParser(splitter, True, tool_mode, tool_parser, named_tool)
+        if req.background:
+            queued, log = self.run_in_background(stream, echo, prompt_ids, parser, conversation)
+            return EventStreamResponse(log.follow(0)) if req.stream else json_response(queued)
         if req.stream:
             return self.streamed_response(stream, echo, prompt_ids, parser, conversation, req.store)
-        if req.background:
-            return json_response(self.run_in_background(stream, echo, prompt_ids, parser, conversation))
         choices = await self.run_to_completion(raw, stream, 1)
         if isinstance(choices, Response):
             return choices
@@ -258,41 +261,46 @@ class OpenAIServingResponses(OpenAIServing):
                              store)
 
     def run_in_background(self, stream: GenerationStream, echo: dict, prompt_ids: list[int],
-                          parser: ChatOutputParser, conversation: list[chp.ChatMessage]) -> rp.ResponseObject:
-        """background: the response is answered at once, queued, and generated after the client has gone: GET
-        sees it in_progress, then completed (or incomplete, failed); POST .../cancel aborts it."""
+                          parser: ChatOutputParser, conversation: list[chp.ChatMessage]
+                          ) -> tuple[rp.ResponseObject, EventLog]:
+        """background: the response is answered at once, queued, and generated whether or not anyone watches: GET
+        sees it in_progress, then completed, incomplete or failed; POST .../cancel aborts it. Its stream's events
+        are kept (an EventLog), so that the client that created it with stream true, and any GET ...?stream=true,
+        follow it from where they ask, however often they reconnect."""
         response_id = stream.request_id
+        queued = rp.ResponseObject(**echo, status="queued", output=[])
+        self.store(queued, None)
+        body = self.streamed_response(stream, echo, prompt_ids, parser, conversation, True, "queued").events
+        log = self.event_logs[response_id] = EventLog()
+        while len(self.event_logs) > MAX_EVENT_LOGS:
+            self.event_logs.popitem(last=False)
 
         async def generate() -> None:
             self.store(msgspec.structs.replace(queued, status="in_progress"), None)
             try:
-                choice = (await self.collect(stream, 1))[0]
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - whatever ended it (the engine died) is the response's error
-                logger.warning("background response %s failed: %s", response_id, e)
-                self.store(msgspec.structs.replace(queued, status="failed", error={
-                    "code": "server_error", "message": str(e) or type(e).__name__}), None)
-                return
-            self.collected(choice, echo, prompt_ids, parser, conversation, True)
+                async for chunk in body:
+                    log.extend(chunk)
+            finally:
+                await body.aclose()
+                log.finish()
 
         def ended(_) -> None:
             """However the task ends, a cancel before it ran included, its engine request is aborted."""
             stream.close()
+            log.finish()
             self.background.pop(response_id, None)
 
-        queued = rp.ResponseObject(**echo, status="queued", output=[])
-        self.store(queued, None)
         task = asyncio.create_task(generate())
         self.background[response_id] = task
         task.add_done_callback(ended)
-        return queued
+        return queued, log
 
     def store(self, response: rp.ResponseObject, conversation: list[chp.ChatMessage] | None) -> None:
         self.stored[response.id] = (response, conversation)
         self.stored.move_to_end(response.id)
         while len(self.stored) > MAX_STORED_RESPONSES:
-            self.stored.popitem(last=False)
+            evicted, _ = self.stored.popitem(last=False)
+            self.event_logs.pop(evicted, None)
 
     def lookup(self, response_id: str, what: str = "Response") -> tuple[rp.ResponseObject, list | None]:
         stored = self.stored.get(response_id)
@@ -326,14 +334,29 @@ class OpenAIServingResponses(OpenAIServing):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.stored.pop(response_id, None)
+        self.event_logs.pop(response_id, None)
         return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
     def fits(self, prompt_ids: list[int], max_output_tokens: int | None) -> bool:
         """Whether the prompt and the tokens asked for (at least one) fit the context."""
         return len(prompt_ids) + (max_output_tokens or 1) <= self.state.engine.max_model_len
 
-    def retrieve(self, response_id: str) -> Response:
-        return json_response(self.lookup(response_id)[0])
+    def retrieve(self, response_id: str, stream: bool, starting_after: int | None) -> Response:
+        """GET: the response as it stands; with stream=true, a background response's events from the one after
+        sequence number starting_after (from the first without it), then live until it ends."""
+        response, _ = self.lookup(response_id)
+        if not stream:
+            if starting_after is not None:
+                raise ParamError("starting_after is for stream=true: the events after that sequence number",
+                                 "starting_after")
+            return json_response(response)
+        log = self.event_logs.get(response_id)
+        if log is None:
+            raise ParamError(f"response '{response_id}' has no stream to follow: only a background response's "
+                             "events are kept (the latest ones)", "stream")
+        if starting_after is not None and starting_after < -1:
+            raise ParamError(f"starting_after must be at least -1, got {starting_after}", "starting_after")
+        return EventStreamResponse(log.follow(0 if starting_after is None else starting_after + 1))
 
     def previous_conversation(self, response_id: str | None) -> list[chp.ChatMessage]:
         """previous_response_id: the earlier turns (its instructions are not carried over, as OpenAI does)."""
@@ -397,10 +420,15 @@ class OpenAIServingResponses(OpenAIServing):
         return response
 
     def streamed_response(self, stream: GenerationStream, echo: dict, prompt_ids: list[int], parser: ChatOutputParser,
-                          conversation: list[chp.ChatMessage], store: bool) -> EventStreamResponse:
+                          conversation: list[chp.ChatMessage], store: bool,
+                          created: str = "in_progress") -> EventStreamResponse:
+        """The response's events as the engine produces them; a failure once they began (the engine died) ends them
+        with an error event and response.failed, and stores the response as failed. created: the status that
+        response.created reports (a background response's is queued)."""
         assembler = OutputAssembler(streaming=True)
-        for name in ("response.created", "response.in_progress"):
-            assembler.emit(rp.LifecycleEvent, name, rp.ResponseObject(**echo, status="in_progress", output=[]))
+        assembler.emit(rp.LifecycleEvent, "response.created", rp.ResponseObject(**echo, status=created, output=[]))
+        assembler.emit(rp.LifecycleEvent, "response.in_progress",
+                       rp.ResponseObject(**echo, status="in_progress", output=[]))
         first = b"".join(assembler.take_events())
         finish_reason = None
 
@@ -419,7 +447,17 @@ class OpenAIServingResponses(OpenAIServing):
             assembler.emit(rp.LifecycleEvent, f"response.{response.status}", response)
             return b"".join(assembler.take_events())
 
-        return self.stream_response(stream, first, events_for, last_event, done=b"")
+        def failure_events(e: BaseException, request_id: str) -> bytes:
+            info = stream_error_info(e, request_id)
+            assembler.emit(rp.ErrorEvent, "error", info.type, info.message, info.param)
+            response = rp.ResponseObject(**echo, status="failed", output=assembler.parts,
+                                         error={"code": "server_error", "message": info.message})
+            if store:
+                self.store(response, None)
+            assembler.emit(rp.LifecycleEvent, "response.failed", response)
+            return b"".join(assembler.take_events())
+
+        return self.stream_response(stream, first, events_for, last_event, done=b"", error_event=failure_events)
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
@@ -431,10 +469,10 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     # One route for both methods, so that a 405 on it lists both in Allow (two routes would list the first's).
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
-    async def stored_response(response_id: str, raw: Request):
+    async def stored_response(response_id: str, raw: Request, stream: bool = False, starting_after: int | None = None):
         if raw.method == "DELETE":
             return await responses.delete(response_id)
-        return responses.retrieve(response_id)
+        return responses.retrieve(response_id, stream, starting_after)
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
