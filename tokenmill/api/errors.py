@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from tokenmill.api import chat_protocol as chp, completion_protocol as cp, protocol as p
 from tokenmill.sampling_params import ParamError
@@ -222,6 +223,10 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 405:  # Starlette names the first route of the path's; Allow lists every route's
+            methods = {m for route in request.app.routes if route.matches(request.scope)[0] is not Match.NONE
+                       for m in getattr(route, "methods", None) or ()}
+            exc = StarletteHTTPException(405, exc.detail, {"Allow": ", ".join(sorted(methods))})
         return http_error_response(exc, is_anthropic(request.url.path))
 
     @app.exception_handler(Exception)

@@ -467,12 +467,13 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     async def create_response(body: rp.ResponsesRequest, raw: Request):
         return await responses.create_response(body, raw)
 
-    # One route for both methods, so that a 405 on it lists both in Allow (two routes would list the first's).
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
-    async def stored_response(response_id: str, raw: Request, stream: bool = False, starting_after: int | None = None):
-        if raw.method == "DELETE":
-            return await responses.delete(response_id)
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False, starting_after: int | None = None):
         return responses.retrieve(response_id, stream, starting_after)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await responses.delete(response_id)
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
