@@ -24,7 +24,7 @@ FLOORS: list[tuple[tuple[str, ...], ...]] = [
     # what HTTP serving shares: the OpenAI shapes, the one error shape, lifecycle and drain, tracing, the flags
     (("tokenmill.api",),),
     (("tokenmill.server",), ("tokenmill.router",)),
-    (("tokenmill.cli",), ("tokenmill.bench",)),
+    (("tokenmill.cli",), ("tokenmill.bench",), ("tokenmill.clients",)),
 ]
 
 

@@ -16,10 +16,16 @@ ROUTER = ("router", "an OpenAI-compatible gateway over several replicas, routing
           "tokenmill.router.app", "run_from_cli")
 RUN_BATCH = ("run-batch", "run a file of requests in OpenAI's Batch format offline, writing the answers to a file",
              "tokenmill.server.run_batch", "run_from_cli")
+# vLLM's terminal clients (tokenmill/clients.py): their module's add_*_cli_args, and run_*
+CHAT = ("chat", "chat with a served model in the terminal (vLLM's vllm chat)", "tokenmill.clients", "run_chat")
+COMPLETE = ("complete", "complete prompts with a served model in the terminal (vLLM's vllm complete)",
+            "tokenmill.clients", "run_complete")
 SERVE_RAY = ("serve-ray", "tokenmill serve replicas on Ray Serve behind the router, autoscaled on their queues "
              "(needs the ray extra); flags it does not know go to every replica's tokenmill serve",
              "tokenmill.router.ray_serve", "run_from_cli")
 BENCHES = [
+    ("latency", "offline latency of one batch, end to end (vLLM's bench latency)", "tokenmill.bench.latency",
+     "main"),
     ("throughput", "offline throughput of the engine", "tokenmill.bench.throughput", "main"),
     ("step", "where one engine step's time goes: ops, sampling, scheduling, front end", "tokenmill.bench.step",
      "main"),
@@ -28,8 +34,10 @@ BENCHES = [
 
 
 def _attach(parser: argparse.ArgumentParser, module_name: str, entry: str) -> None:
+    """The module's add_cli_args (add_NAME_cli_args where one module holds several commands: run_NAME)."""
     module = importlib.import_module(module_name)
-    module.add_cli_args(parser)
+    add = getattr(module, f"add_{entry.removeprefix('run_')}_cli_args", None) or module.add_cli_args
+    add(parser)
     parser.set_defaults(func=getattr(module, entry))
 
 
@@ -43,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     chosen = None
-    for name, help_, module, entry in (SERVE, RUN_BATCH, ROUTER, SERVE_RAY):
+    for name, help_, module, entry in (SERVE, RUN_BATCH, ROUTER, SERVE_RAY, CHAT, COMPLETE):
         # serve-ray: unknown flags go to `tokenmill serve` whole, so no abbreviations
         parser_ = sub.add_parser(name, help=help_, allow_abbrev=name != "serve-ray")
         if argv[:1] == [name]:
