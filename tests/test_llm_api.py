@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from tokenmill import SamplingParams
+from tokenmill.sampling_params import ParamError
 
 PROMPT = "The little robot opened the door and"
 OTHER_PROMPTS = ["Once upon a time", "The best way to learn a new language is", "def fibonacci(n):"]
@@ -277,3 +278,40 @@ def test_first_token_distribution_matches_hf(llm, hf_reference):
         return torch.softmax(logits[top] / temperature, 0).numpy() * draws
     assert chisquare(counts, expected(0.7)).pvalue > 1e-3
     assert chisquare(counts, expected(1.0)).pvalue < 1e-9  # fails if temperature were ignored
+
+
+def test_cache_salt_keys_the_prefix_cache_apart(tiny_llm):
+    """vLLM's cache_salt: the same prompt is a prefix-cache hit only under the same salt; the router keys a salted
+    prompt as the engine does (one block hash: sampling_params.cache_salt_keys)."""
+    from tokenmill.engine.block_hash import hash_request_blocks
+    from tokenmill.router.kv_index import prompt_block_hashes
+    from tokenmill.sampling_params import cache_salt_keys
+    prompt = list(range(100, 180))  # five full blocks
+
+    def cached(salt):
+        return gen(tiny_llm, [prompt], greedy(max_tokens=1, cache_salt=salt))[0].num_cached_tokens
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 64  # the same salt shares
+    assert cached("tenant-b") == 0 and cached(None) == 0  # another salt, or none, does not
+    request = tiny_llm.engine.add_request("salted", prompt, greedy(max_tokens=1, cache_salt="tenant-a"))
+    tiny_llm.engine.abort_request("salted")
+    bs = tiny_llm.engine.kv_cache.block_size
+    predicted = prompt_block_hashes(prompt, bs, cache_salt_keys("tenant-a"))  # the blocks a hit can cover
+    assert len(predicted) >= 4 and predicted == hash_request_blocks(prompt, bs, request.extra_keys)[:len(predicted)]
+    assert prompt_block_hashes(prompt, bs, cache_salt_keys("tenant-a")) != prompt_block_hashes(prompt, bs)
+    with pytest.raises(ParamError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
+def test_allowed_token_ids_and_bad_words_offline(tiny_llm):
+    """allowed_token_ids bounds every sampled token; bad_words (tokenized by LLM with its tokenizer, vLLM's rule)
+    bans a word the greedy answer has, which the same greedy request then never generates."""
+    from tokenmill.sampling_params import bad_words_token_ids
+    out = one(tiny_llm, PROMPT, sampled(max_tokens=16, allowed_token_ids=[300, 400, 500]))
+    assert set(out.token_ids) <= {300, 400, 500}
+    plain = one(tiny_llm, PROMPT, greedy(max_tokens=8)).token_ids
+    # a token of the answer that is a whole word as bad_words tokenizes it (" the" is "the" after a space)
+    i, word = next((i, tiny_llm.tokenizer.decode([t])) for i, t in enumerate(plain)
+                   if [t] in bad_words_token_ids(tiny_llm.tokenizer, [tiny_llm.tokenizer.decode([t])]))
+    out = one(tiny_llm, PROMPT, greedy(max_tokens=8, bad_words=[word])).token_ids
+    assert plain[i] not in out and out[:i] == plain[:i]  # the same answer up to the banned word

@@ -754,9 +754,10 @@ def test_adapter_requests_are_predicted_with_each_replicas_adapter_keys(replicas
     router = RouterProcess(_router_args(replicas_server, "round_robin"))
     prompt = "An adapter keys its own prefix blocks, apart from the base model's. " * 8  # ~130 tokens
 
-    def ask(url: str, model: str) -> tuple[str, int, int]:
+    def ask(url: str, model: str, cache_salt: str | None = None) -> tuple[str, int, int]:
+        salt = {"cache_salt": cache_salt} if cache_salt else {}
         r = httpx.post(url + "/v1/completions", timeout=120, json={
-            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, **salt})
         assert r.status_code == 200, r.text
         time.sleep(0.3)  # the step's events reach the router
         return (r.headers.get("x-tokenmill-replica"), int(r.headers.get("x-tokenmill-predicted-cached-tokens", -1)),
@@ -782,6 +783,14 @@ def test_adapter_requests_are_predicted_with_each_replicas_adapter_keys(replicas
         warm = [ask(router.url, "keyed") for _ in range(2)]
         assert all(predicted == cached >= 112 for _, predicted, cached in warm), warm
         assert _metric(router, "tokenmill_router:cache_predictions_total", outcome="exact") == 8
+        # vLLM's cache_salt: its blocks are keyed apart (the same prompt unsalted, or with another salt, finds none)
+        # and the router predicts them with the salt, for the base model and for an adapter alike
+        for model in (MODEL, "keyed"):
+            salted = [ask(router.url, model, "tenant-a") for _ in range(3)]  # round robin: cold on each, then warm
+            assert [(predicted, cached) for _, predicted, cached in salted[:2]] == [(0, 0), (0, 0)], salted
+            assert salted[2][1] == salted[2][2] >= 112, salted
+            other = [ask(router.url, model, "tenant-b") for _ in range(2)]
+            assert all(predicted == cached == 0 for _, predicted, cached in other), other
     finally:
         for replica in replicas_server:
             for name in ("keyed", "first-only"):

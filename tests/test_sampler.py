@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import ParamError, SamplingParams
 
 V = 8
 N = 20_000
@@ -379,3 +379,31 @@ def test_top_k_top_p_without_full_sort_equals_full_sort(spread):
     rows = [i for i in range(len(top_k)) if i != 4]
     assert torch.equal(torch.isinf(got[rows]), torch.isinf(want[rows]))
     assert torch.equal(got[rows][~torch.isinf(got[rows])], want[rows][~torch.isinf(want[rows])])
+
+
+def test_allowed_token_ids_restrict_the_draw_and_the_argmax():
+    allowed = [0, 3, 5]
+    counts = draw(SamplingParams(allowed_token_ids=allowed))
+    kept = np.where(np.isin(np.arange(V), allowed), PROBS, 0.0)
+    assert pvalue(counts, kept) > P_OK  # the allowed tokens, in their own proportions; no other ever
+    greedy = draw(SamplingParams(temperature=0.0, allowed_token_ids=allowed), n=4)
+    assert greedy[3] == 4  # the most likely allowed token, though token 1 is the most likely of all
+    with pytest.raises(ParamError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
+def test_bad_words_ban_a_words_last_token_once_its_others_were_generated():
+    one_token, two_tokens = [1], [4, 6]
+    params = SamplingParams(bad_words=["x"], bad_words_token_ids=[one_token, two_tokens])
+    counts = draw(params, output=(2,))  # 4 was not the last token: 6 may come, 1 never
+    assert pvalue(counts, np.where(np.arange(V) == 1, 0.0, PROBS)) > P_OK
+    after_4 = draw(params, output=(2, 4))  # 4 was: 6 would complete the word
+    assert pvalue(after_4, np.where(np.isin(np.arange(V), [1, 6]), 0.0, PROBS)) > P_OK
+
+
+def test_bad_words_token_ids_as_vllm_tokenizes_them(tokenizer):
+    from tokenmill.sampling_params import bad_words_token_ids
+    ids = bad_words_token_ids(tokenizer, ["Paris", " hello world"])
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert encode("Paris") in ids and encode(" Paris") in ids  # as written, and after a space
+    assert encode("hello world") in ids and encode(" hello world") in ids  # the word's own leading space dropped

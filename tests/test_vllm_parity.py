@@ -383,6 +383,28 @@ def test_every_vllm_field_is_honoured_or_refused(server, path, fields):
             assert SHOWN[name] in r.text, name
     # the refusals are the fields tokenmill does not implement, and only those
     assert {"top_k", "min_p", "prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "echo",
-            "return_tokens_as_token_ids", "add_special_tokens", "use_beam_search"} <= set(honoured)
-    assert not {"length_penalty", "early_stopping", "watermarking", "logprob_token_ids", "allowed_token_ids", "bad_words", "cache_salt",
-                "kv_transfer_params", "vllm_xargs", "stream_interval"} & set(honoured)
+            "return_tokens_as_token_ids", "add_special_tokens", "use_beam_search", "allowed_token_ids", "bad_words",
+            "cache_salt"} <= set(honoured)
+    assert not {"length_penalty", "early_stopping", "watermarking", "logprob_token_ids", "kv_transfer_params",
+                "vllm_xargs", "stream_interval"} & set(honoured)
+
+
+def test_allowed_token_ids_and_bad_words(server, tokenizer):
+    """vLLM's allowed_token_ids (every generated token among them) and bad_words (the greedy answer's own word
+    never appears once banned, and the answer is the same up to where it came)."""
+    client = server.openai()
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert "Paris" in plain.choices[0].text
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body={"bad_words": ["Paris"]})
+    text, head = banned.choices[0].text, plain.choices[0].text.split("Paris")[0]
+    assert "Paris" not in text and text.startswith(head), (plain.choices[0].text, text)  # the same up to the word
+    allowed = tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    r = httpx.post(server.url_for("/v1/completions"), headers=server.headers(), timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "return_token_ids": True,
+        "allowed_token_ids": allowed})
+    assert r.status_code == 200 and set(r.json()["choices"][0]["token_ids"]) <= set(allowed), r.text
+    bad = httpx.post(server.url_for("/v1/completions"), headers=server.headers(), timeout=60, json={
+        "model": MODEL, "prompt": prompt, "allowed_token_ids": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"

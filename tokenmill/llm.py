@@ -3,6 +3,7 @@
 `LLM(model, runner="pooling").embed(texts)` / `.score(query, docs)`, in one process."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -20,7 +21,7 @@ from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.pooling_outputs import (EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput,
                                        cosine_similarity)
 from tokenmill.pooling_params import PoolingParams, truncate
-from tokenmill.sampling_params import SamplingParams, child_params
+from tokenmill.sampling_params import SamplingParams, bad_words_token_ids, child_params
 from tokenmill.tokenizer import load_tokenizer
 
 
@@ -158,6 +159,9 @@ class LLM:
 
     def _add(self, text, ids, params: SamplingParams, priority: int, lora_request: LoRARequest | None = None):
         rid = str(next(self._ids))
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer,
+                                                                                         params.bad_words))
         if params.structured_outputs is not None:
             # Invalid schemas fail here, with the compiler's message; the engine then finds it compiled.
             self.engine.structured.compiler.compile(params.structured_outputs)

@@ -65,6 +65,15 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     # disaggregated prefill/decode (vLLM's kv_transfer_params): engine/kv_transfer.py
     kv_transfer_params: KVTransferParams | None = None
+    # vLLM's: sample among these token ids only
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated. The engine reads bad_words_token_ids (each word's tokens, with and without a
+    # leading space: bad_words_token_ids()), which the front end (the API server, LLM) fills with its tokenizer.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's cache_salt: enters every block hash of the request (cache_salt_keys), so that only requests with the
+    # same salt share its cached prefix (tenants who must not learn each other's prompts from cache timings)
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,11 +84,17 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         self.validate()
 
     def validate(self) -> None:
         if self.n < 1:
             raise ParamError(f"n must be at least 1, got {self.n}", "n")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ParamError("cache_salt must be a non-empty string", "cache_salt")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ParamError("allowed_token_ids must not be empty: nothing could be sampled", "allowed_token_ids")
         if self.temperature < 0:
             raise ParamError(f"temperature must be non-negative, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
@@ -117,3 +132,24 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The params of sample `index` of an n > 1 request: n=1, and a distinct seed if seeded."""
     seed = None if params.seed is None else params.seed + index
     return dataclasses.replace(params, n=1, seed=seed)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word's tokens as written (its leading spaces stripped), and with one leading space where
+    that gives other tokens of the same length (mid-sentence, a word usually comes after a space)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            continue
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return out
+
+
+def cache_salt_keys(cache_salt: str | None) -> tuple:
+    """The extra keys a salt adds to every block hash (engine/block_hash.py), before a LoRA adapter's: the engine
+    keys the blocks with them and the router predicts with them. Tagged, so that they never equal another kind."""
+    return (("cache_salt", cache_salt),) if cache_salt else ()

@@ -172,16 +172,16 @@ class SamplingFields(_Body):
     early_stopping: bool = False
     # vLLM's extension fields that tokenmill does not implement: declared "off", any other value is a 400
     _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
-        name: "" for name in ("allowed_token_ids", "bad_words", "logprob_token_ids", "watermarking", "cache_salt",
+        name: "" for name in ("logprob_token_ids", "watermarking",
                               "ec_transfer_params", "vllm_xargs", "repetition_detection",
                               "stream_interval", "routed_experts_prompt_start", "return_token_offsets",
                               "return_mm_kwargs", "request_id", "session_id", "logits_processors",
                               "guided_decoding_backend", "guided_whitespace_pattern")}
-    allowed_token_ids: None = None
-    bad_words: Annotated[list[str], Field(max_length=0)] | None = []  # [] (vLLM's default) or null
+    allowed_token_ids: list[Int] | None = None  # vLLM's: sample among these only
+    bad_words: list[str] | None = []  # vLLM's: words never generated (sampling_params.bad_words_token_ids)
     logprob_token_ids: None = None
     watermarking: Literal[False] | None = None
-    cache_salt: None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: only the same salt shares cached KV
     # disaggregated prefill/decode with --kv-transfer-config TCPConnector (tokenmill/engine/kv_transfer.py)
     kv_transfer_params: KVTransferParamsField | None = None
     ec_transfer_params: None = None

@@ -37,7 +37,7 @@ from tokenmill.models.pooler import PoolerConfig
 from tokenmill.pooling_params import (ENCODER_ARCHITECTURES, PoolingParams, check_generate_runner, resolve_runner,
                                       validate_pooling_request)
 from tokenmill.reasoning import ThinkingTracker
-from tokenmill.sampling_params import ParamError, SamplingParams
+from tokenmill.sampling_params import ParamError, SamplingParams, cache_salt_keys
 from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
@@ -188,6 +188,7 @@ class EngineCore:
         if self.sleep_level:
             raise ParamError("the engine is asleep: POST /wake_up wakes it", None)
         max_tokens = self.check_request(prompt_token_ids, params, priority)
+        extra_keys = cache_salt_keys(params.cache_salt) + extra_keys
         if lora_request is not None:  # its adapter is loaded now (a bad one fails here) and kept until it ends
             try:
                 self._lora_manager().acquire(lora_request)

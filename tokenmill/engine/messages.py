@@ -268,10 +268,14 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, priori
         if (num or 0) > limit:
             raise ParamError(f"Requested {kind} logprobs of {num}, which is greater than max allowed: {limit}", param)
     for param, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
-                       ("logit_bias", list(params.logit_bias or ()))):
+                       ("logit_bias", list(params.logit_bias or ())),
+                       ("allowed_token_ids", params.allowed_token_ids or ()),
+                       ("bad_words", [t for w in params.bad_words_token_ids or () for t in w])):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ParamError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})", param)
+    if params.bad_words and params.bad_words_token_ids is None:  # the front end's part (sampling_params.py)
+        raise ParamError("bad_words reached the engine untokenized: fill bad_words_token_ids", "bad_words")
     if params.thinking_token_budget is not None and not reasoning:
         raise ParamError("thinking_token_budget needs a reasoning model: start with --reasoning-parser (or "
                          "--think-start-str/--think-end-str)", "thinking_token_budget")

@@ -1,6 +1,7 @@
 """Turns a step's logits into one token per request, batched over the requests.
 
-Order, as in vLLM: logit_bias and min_tokens masking, repetition/presence/frequency penalties, then greedy
+Order, as in vLLM: allowed_token_ids, bad words, logit_bias and min_tokens masking, repetition/presence/frequency
+penalties, then greedy
 argmax, or temperature, top-k, top-p, min-p and a draw. Logprobs are of the raw model output.
 A seeded request draws its uniform from its own torch.Generator, advanced once per token, so its output does not depend on
 what else is in the batch.
@@ -52,6 +53,15 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     return torch.minimum(picked, last_possible)
 
 
+def banned_tokens(r: Request) -> list[int]:
+    """bad_words: the last token of each bad word whose other tokens the output ends with (a one-token word, always)."""
+    words = r.params.bad_words_token_ids
+    if not words:
+        return []
+    out = r.output_token_ids
+    return [w[-1] for w in words if len(w) == 1 or (len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1])]
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, ops=None):
         self.vocab_size = vocab_size
@@ -94,6 +104,17 @@ class Sampler:
         edited = False
         for i, r in enumerate(requests):
             p = r.params
+            banned = banned_tokens(r)
+            if p.allowed_token_ids is not None or banned:
+                if not edited:
+                    logits, edited = logits.clone(), True
+                if p.allowed_token_ids is not None:
+                    allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+                    kept = logits[i, allowed]
+                    logits[i] = float("-inf")
+                    logits[i, allowed] = kept
+                if banned:
+                    logits[i, banned] = float("-inf")
             if p.logit_bias:
                 if not edited:
                     logits, edited = logits.clone(), True

@@ -92,7 +92,9 @@ class KVIndex:
         known = self.adapter_keys.get(event.lora_name)
         if event.lora_id < self._adapter_floor.get(event.lora_name, 0) or (known and known[0] >= event.lora_id):
             return  # a request that ran with an older load of this name
-        self.adapter_keys[event.lora_name] = (event.lora_id, _frozen(event.extra_keys[0]))
+        # the adapter's own keys: a salted request's blocks carry its cache_salt's in front of them
+        keys = tuple(k for k in _frozen(event.extra_keys[0]) if k and k[0] == "lora")
+        self.adapter_keys[event.lora_name] = (event.lora_id, keys)
 
     def apply(self, batch: KVEventBatch) -> None:
         for event in batch.events:

@@ -34,6 +34,7 @@ class RouteRequest:
     model: str | None = None
     token_ids: Sequence[int] = ()
     adapter_hashes: dict[tuple, list[bytes]] = field(default_factory=dict)  # by the adapter's extra keys
+    salt_keys: tuple = ()  # the request's cache_salt's (sampling_params.cache_salt_keys), before an adapter's
 
     def block_hashes_on(self, replica: Replica) -> list[bytes]:
         """The prompt's block keys on `replica`: an adapter's, with the extra keys its KV events showed (none
@@ -46,7 +47,8 @@ class RouteRequest:
         keys = known[1]
         hashes = self.adapter_hashes.get(keys)
         if hashes is None:
-            hashes = self.adapter_hashes[keys] = prompt_block_hashes(self.token_ids, replica.index.block_size, keys)
+            hashes = self.adapter_hashes[keys] = prompt_block_hashes(self.token_ids, replica.index.block_size,
+                                                                     self.salt_keys + keys)
         return hashes
 
 

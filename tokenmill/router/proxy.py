@@ -54,6 +54,7 @@ from tokenmill.router.router_config import RouterConfig
 from tokenmill.router.sleep import IdleSleeper, WakeFailed
 from tokenmill.router.tenants import AdmissionQueue, Rejected, Tenant, TenantRegistry, retry_after_header
 from tokenmill.router.tracing import RouterTracer
+from tokenmill.sampling_params import cache_salt_keys
 from tokenmill.tokenizer import INLINE_ENCODE_CHARS
 
 logger = logging.getLogger("tokenmill.router.proxy")
@@ -89,7 +90,9 @@ def _route_request(state: RouterState, route: str, body: dict | None, session_he
     token_ids = state.tokenizer.token_ids(kind, body) if kind is not None else None
     user = body.get("user") if body is not None else None
     session_key = session_header or (user if isinstance(user, str) else None)
-    return route_request_for(state, token_ids or [], model, session_key)
+    salt = body.get("cache_salt") if body is not None else None
+    return route_request_for(state, token_ids or [], model, session_key,
+                             cache_salt_keys(salt if isinstance(salt, str) else None))
 
 
 def prompt_kind(route: str, body: dict | None) -> str | None:
@@ -103,11 +106,11 @@ def prompt_kind(route: str, body: dict | None) -> str | None:
 
 
 def route_request_for(state: RouterState, token_ids: list[int], model: str | None,
-                      session_key: str | None) -> RouteRequest:
-    """The request's route: its block keys as each replica keys them (a LoRA adapter's differ by replica),
-    computed here, off the event loop for a long prompt."""
-    request = RouteRequest(prompt_block_hashes(token_ids, state.config.block_size), len(token_ids), session_key,
-                           model, token_ids)
+                      session_key: str | None, salt_keys: tuple = ()) -> RouteRequest:
+    """The request's route: its block keys as each replica keys them (a LoRA adapter's differ by replica; a
+    cache_salt's keys enter them all), computed here, off the event loop for a long prompt."""
+    request = RouteRequest(prompt_block_hashes(token_ids, state.config.block_size, salt_keys), len(token_ids),
+                           session_key, model, token_ids, salt_keys=salt_keys)
     if token_ids and model is not None:
         for replica in state.replicas.replicas:
             request.block_hashes_on(replica)
@@ -560,7 +563,8 @@ async def _open_resumed(state: RouterState, ex: Exchange):
     candidates = [r for r in _routable_for(state, ex) if r not in ex.tried]
     if not candidates:
         return "no other replica is admitted"
-    route_request = route_request_for(state, prompt, ex.route_request.model, ex.route_request.session_key)
+    route_request = route_request_for(state, prompt, ex.route_request.model, ex.route_request.session_key,
+                                      ex.route_request.salt_keys)
     last_failure = ""
     for replica in state.policy.rank(candidates, route_request).ranked[:state.config.max_attempts]:
         opened = await _open(state, ex, replica, "/v1/completions", content, "resume")

@@ -25,7 +25,8 @@ from tokenmill.sampling_params import SamplingParams
 # request fields that mean the same on /v1/completions once the prompt is token ids
 CARRIED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                   "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-                  "repetition_penalty", "logit_bias", "user", "priority")
+                  "repetition_penalty", "logit_bias", "user", "priority", "allowed_token_ids", "bad_words",
+                  "cache_salt")
 COMPLETIONS_DEFAULT_MAX_TOKENS = cp.CompletionRequest.model_fields["max_tokens"].default
 DONE = b"data: [DONE]\n\n"
 

@@ -18,7 +18,7 @@ from tokenmill.config import kv_transfer_refusal
 from tokenmill.kv_transfer_params import KVTransferParams
 from tokenmill.logprobs import TokenLogprobs
 from tokenmill.lora.request import LoRARequest
-from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams, bad_words_token_ids
 from tokenmill.server.beam_search_stream import BeamSearchStream
 from tokenmill.server.generation_stream import GenerationStream, SampleDelta
 from tokenmill.server.responses import DONE, ClientDisconnected, EventStreamResponse, until_disconnected
@@ -121,7 +121,9 @@ class OpenAIServing:
             stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens)
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None, cache_salt=req.cache_salt,
+            bad_words_token_ids=bad_words_token_ids(self.state.tokenizer, req.bad_words) if req.bad_words else None)
 
     def kv_transfer_params(self, req: p.SamplingFields) -> KVTransferParams | None:
         """The request's kv_transfer_params (disaggregated prefill/decode), if this instance can serve them: its
@@ -297,6 +299,8 @@ class OpenAIServing:
             "top_p": req.top_p not in (None, 1.0), "top_k": req.top_k not in (None, 0, -1), "min_p": bool(req.min_p),
             "presence_penalty": bool(req.presence_penalty), "frequency_penalty": bool(req.frequency_penalty),
             "repetition_penalty": req.repetition_penalty not in (None, 1.0), "logit_bias": bool(req.logit_bias),
+            "allowed_token_ids": req.allowed_token_ids is not None, "bad_words": bool(req.bad_words),
+            "cache_salt": req.cache_salt is not None,
             "stop": bool(req.stop), "stop_token_ids": bool(req.stop_token_ids), "min_tokens": req.min_tokens > 0,
             "thinking_token_budget": req.thinking_token_budget is not None,
             "kv_transfer_params": req.kv_transfer_params is not None and (

@@ -4,7 +4,8 @@ which proposer; and the counters behind vllm:spec_decode_* metrics.
 A request gets drafts only while it is decoding (its one uncomputed token is the last one sampled), and only if
 its sampling needs nothing per position that verification does not reproduce. It gets none, and runs exactly as
 without speculation, when it has: structured output or a thinking tracker (grammar/budget state advanced token
-by token), repetition/presence/frequency penalties or logit_bias (logits edited from the output so far),
+by token), repetition/presence/frequency penalties, logit_bias, allowed_token_ids or bad_words (logits edited,
+some from the output so far),
 min_tokens not yet reached (EOS masked), logprobs (one entry per token), or stop strings (matched on text by the
 front end, which would receive tokens past the stop in the same output). Stop token ids, EOS and max_tokens work
 with drafts: the engine ends the request at the first of them in an accepted run (engine.py).
@@ -30,7 +31,8 @@ def make_proposer(config: SpeculativeConfig):
 def can_speculate(r: Request) -> bool:
     p = r.params
     return (r.pooling is None and p.structured_outputs is None and r.thinking is None and p.logprobs is None
-            and not p.logit_bias and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.logit_bias and p.allowed_token_ids is None and not p.bad_words_token_ids
+            and p.repetition_penalty == 1.0 and not p.presence_penalty
             and not p.frequency_penalty and r.num_output_tokens >= p.min_tokens and not p.stop)
 
 
