@@ -332,3 +332,26 @@ def test_api_server_process_imports_no_torch(default_gguf, tokenizer):
     out = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TORCH, default_gguf], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "no torch" in out.stdout, out.stderr[-3000:]
+
+
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
+async def test_a_requests_own_chat_template_needs_trust(tokenizer):
+    """vLLM's rule: a request's chat_template (or one in chat_template_kwargs, which the template engine would
+    take as well) is refused unless the server runs with --trust-request-chat-template; trusted, it renders the
+    prompt."""
+    untrusted = InProcessServer(tokenizer)
+    for body in ({"chat_template": TEMPLATE}, {"chat_template_kwargs": {"chat_template": TEMPLATE}}):
+        err = json_error(await post(untrusted, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, **body}),
+                         400)
+        assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
+    r = await post(untrusted, "/tokenize", {"model": MODEL, "messages": CHAT,
+                                            "chat_template_kwargs": {"chat_template": TEMPLATE}})
+    assert json_error(r, 400)["param"] == "chat_template"
+    trusted = InProcessServer(tokenizer, trust_request_chat_template=True)
+    r = await post(trusted, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                     "chat_template": TEMPLATE})
+    assert r.status_code == 200, r.text
+    [(prompt_ids, _, _)] = trusted.client.added.values()
+    assert tokenizer.decode(prompt_ids) == "<<Hi>>"

@@ -53,6 +53,7 @@ def parse(*argv: str, monkeypatch) -> tuple[EngineConfig, ServerConfig]:
     (["--root-path", "/api"], "server", "root_path", "/api"),
     (["--disable-fastapi-docs"], "server", "disable_fastapi_docs", True),
     (["--disable-uvicorn-access-log"], "server", "disable_uvicorn_access_log", True),
+    (["--trust-request-chat-template"], "server", "trust_request_chat_template", True),
     (["--max-log-len", "100"], "server", "max_log_len", 100),
     (["--override-generation-config", '{"temperature": 0.5}'], "engine", "override_generation_config",
      {"temperature": 0.5}),

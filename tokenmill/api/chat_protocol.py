@@ -47,9 +47,9 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False  # vLLM: special tokens (BOS) on top of what the chat template writes
     _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
         **SamplingFields._UNSUPPORTED_VLLM, "documents": "", "media_io_kwargs": "", "mm_processor_kwargs": "",
-        "return_prompt_text": "", "chat_template": ": start with --chat-template"}
+        "return_prompt_text": ""}
     documents: None = None
-    chat_template: None = None
+    chat_template: str | None = None  # vLLM's: this request's Jinja template (needs --trust-request-chat-template)
     media_io_kwargs: None = None
     mm_processor_kwargs: None = None
     reasoning_effort: ReasoningEffort | None = None  # the chat template's `reasoning_effort` (vLLM)

@@ -93,9 +93,9 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
     conversation = to_template_messages(tokenizer, messages, content_format_flag)
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise ParamError("continue_final_message needs an assistant message last", "continue_final_message")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ParamError("this model has no chat template; use /v1/completions", "messages")
     kwargs = dict(chat_template_kwargs or {})
+    if not kwargs.get("chat_template") and not getattr(tokenizer, "chat_template", None):
+        raise ParamError("this model has no chat template; use /v1/completions", "messages")
     for reserved in ("tokenize", "add_generation_prompt", "continue_final_message", "conversation", "tools"):
         kwargs.pop(reserved, None)
     try:

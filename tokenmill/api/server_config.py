@@ -51,6 +51,9 @@ class ServerConfig(CliConfig):
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template to use instead of the model's: a file, a shipped name "
                 f"({', '.join(sorted(SHIPPED_TEMPLATES))}), or the template text itself"})
+    trust_request_chat_template: bool = field(default=False, metadata={
+        "help": "let a request bring its own chat template (chat_template, or chat_template_kwargs' chat_template); "
+                "otherwise such a request is refused (vLLM's)"})
     enable_auto_tool_choice: bool = field(default=False, metadata={
         "help": "let the model decide to call tools (tool_choice auto); needs --tool-call-parser"})
     tool_call_parser: str | None = field(default=None, metadata={

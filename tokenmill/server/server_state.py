@@ -139,6 +139,10 @@ class ServerState:
                           tools: list | None) -> tuple[str, list[int]]:
         """The chat template and its token ids: a short conversation without tools on the event loop, others off
         it (INLINE_ENCODE_CHARS), as the router does."""
+        own_template = (chat_template_kwargs or {}).get("chat_template") is not None
+        if own_template and not self.config.trust_request_chat_template:
+            raise ParamError("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                             "Refused request with untrusted chat template.", "chat_template")
         num_chars = sum(_num_chars(m) for m in messages)
         self.check_text_length(num_chars, "messages")
         args = (self.tokenizer, messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools,

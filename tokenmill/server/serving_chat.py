@@ -40,6 +40,8 @@ class OpenAIServingChat(OpenAIServing):
         lora = state.check_model(req.model)
         tool_mode, named_tool, tool_constraint = self.tool_choice(req)
         kwargs = chp.template_kwargs(req.chat_template_kwargs, req.reasoning_effort)
+        if req.chat_template is not None:  # the request's own (ServerState.render_chat checks it is trusted)
+            kwargs = {**(kwargs or {}), "chat_template": req.chat_template}
         rendered = [await state.render_chat(messages, req.add_generation_prompt, req.continue_final_message, kwargs,
                                             req.tools) for messages in conversations]
         prompt_texts, prompts = [text for text, _ in rendered], [ids for _, ids in rendered]
