@@ -355,3 +355,20 @@ async def test_a_requests_own_chat_template_needs_trust(tokenizer):
     assert r.status_code == 200, r.text
     [(prompt_ids, _, _)] = trusted.client.added.values()
     assert tokenizer.decode(prompt_ids) == "<<Hi>>"
+
+
+async def test_stream_interval_sends_fewer_larger_chunks(tokenizer):
+    """SGLang's and vLLM's stream_interval (and --stream-interval): after the first chunk, each carries at least that
+    many tokens, the last excepted; the text is the same."""
+    server = InProcessServer(tokenizer, stream_interval=1)
+    body = {"model": MODEL, "prompt": "Colors:", "max_tokens": 14, "stream": True, "return_token_ids": True}
+
+    async def chunk_tokens(app, **extra) -> tuple[list[int], str]:
+        events = [e for e in sse_events(await post(app, "/v1/completions", {**body, **extra})) if e["choices"]]
+        return [len(e["choices"][0]["token_ids"]) for e in events], "".join(e["choices"][0]["text"] for e in events)
+    every, text = await chunk_tokens(server)
+    four, text_four = await chunk_tokens(server, stream_interval=4)
+    assert sum(every) == sum(four) == 14 and text_four == text
+    assert four[0] >= 1 and all(n >= 4 for n in four[1:-1]) and len(four) <= 5 < len(every), (four, every)
+    by_flag, _ = await chunk_tokens(InProcessServer(tokenizer, stream_interval=4))
+    assert all(n >= 4 for n in by_flag[1:-1]) and len(by_flag) <= 5, by_flag

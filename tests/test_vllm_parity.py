@@ -384,9 +384,9 @@ def test_every_vllm_field_is_honoured_or_refused(server, path, fields):
     # the refusals are the fields tokenmill does not implement, and only those
     assert {"top_k", "min_p", "prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "echo",
             "return_tokens_as_token_ids", "add_special_tokens", "use_beam_search", "allowed_token_ids", "bad_words",
-            "cache_salt"} <= set(honoured)
+            "cache_salt", "stream_interval"} <= set(honoured)
     assert not {"length_penalty", "early_stopping", "watermarking", "logprob_token_ids", "kv_transfer_params",
-                "vllm_xargs", "stream_interval"} & set(honoured)
+                "vllm_xargs"} & set(honoured)
 
 
 def test_allowed_token_ids_and_bad_words(server, tokenizer):

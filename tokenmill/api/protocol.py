@@ -174,7 +174,7 @@ class SamplingFields(_Body):
     _UNSUPPORTED_VLLM: ClassVar[dict[str, str]] = {
         name: "" for name in ("logprob_token_ids", "watermarking",
                               "ec_transfer_params", "vllm_xargs", "repetition_detection",
-                              "stream_interval", "routed_experts_prompt_start", "return_token_offsets",
+                              "routed_experts_prompt_start", "return_token_offsets",
                               "return_mm_kwargs", "request_id", "session_id", "logits_processors",
                               "guided_decoding_backend", "guided_whitespace_pattern")}
     allowed_token_ids: list[Int] | None = None  # vLLM's: sample among these only
@@ -187,7 +187,7 @@ class SamplingFields(_Body):
     ec_transfer_params: None = None
     vllm_xargs: None = None
     repetition_detection: None = None
-    stream_interval: None = None
+    stream_interval: Int | None = Field(default=None, ge=1, le=INT64_MAX)  # tokens per chunk (--stream-interval)
     routed_experts_prompt_start: Literal[0] = 0
     return_token_offsets: Literal[False] | None = None
     return_mm_kwargs: Literal[True] = True

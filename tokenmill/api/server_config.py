@@ -64,6 +64,9 @@ class ServerConfig(CliConfig):
         "help": "abort a streaming request whose client has not taken its pending output for this many seconds "
                 "(it stopped reading): its KV cache is freed"})
     max_n: int = field(default=DEFAULT_MAX_N, metadata={"help": "largest n a request may ask for"})
+    stream_interval: int = field(default=1, metadata={
+        "help": "a stream's chunks carry at least this many new tokens (the first and the last excepted): fewer, "
+                "larger chunks for less overhead; a request's stream_interval wins"})
     lora_modules: list[LoRAModulePath] | None = field(default=None, metadata={
         "nargs": "+", "type": LoRAModulePath.parse,
         "help": "LoRA adapters to serve (needs --enable-lora): name=path or JSON {\"name\", \"path\", "
@@ -110,6 +113,8 @@ class ServerConfig(CliConfig):
     def __post_init__(self):
         if self.max_n < 1:
             raise ValueError("--max-n must be at least 1")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.enable_log_outputs and not self.enable_log_requests:

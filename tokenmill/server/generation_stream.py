@@ -65,6 +65,10 @@ class GenerationStream:
     error: Exception | None = None  # set by fail(): raised to the reader
     closed: bool = False
     kv_transfer_params: KVTransferParams | None = None  # a prefill instance's answer (engine/kv_transfer.py)
+    # --stream-interval / stream_interval (SGLang's and vLLM's): after the first, a delta waits until some sample has
+    # this many new tokens (or one finished), so a stream sends fewer, larger chunks
+    stream_interval: int = 1
+    _sent: bool = False  # a delta went out: the first one waits for nothing
 
     def __post_init__(self):
         n = self.params.n
@@ -118,23 +122,32 @@ class GenerationStream:
             raise self.error
         if not self.unfinished:
             raise StopAsyncIteration
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
         deltas: dict[str, SampleDelta] = {}
-        for item in items:
-            if isinstance(item, (EngineDeadError, StreamStalled, RequestAborted)):
-                self.unfinished.clear()
-                raise item
-            if isinstance(item, RequestError):
-                self.close()
-                raise ParamError(item.message, item.param)
-            if item.request_id in self.unfinished:
-                self._apply(item, deltas)
+        while True:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            for item in items:
+                if isinstance(item, (EngineDeadError, StreamStalled, RequestAborted)):
+                    self.unfinished.clear()
+                    raise item
+                if isinstance(item, RequestError):
+                    self.close()
+                    raise ParamError(item.message, item.param)
+                if item.request_id in self.unfinished:
+                    self._apply(item, deltas)
+            if self._due(deltas):
+                break
+        self._sent = True
         for engine_id, delta in deltas.items():
             sample = self.samples[engine_id]
             delta.text = sample.detokenizer.delta(delta.finish_reason is not None)
         return sorted(deltas.values(), key=lambda d: d.index)
+
+    def _due(self, deltas: dict[str, SampleDelta]) -> bool:
+        if self.stream_interval <= 1 or not self._sent or not self.unfinished:
+            return True
+        return any(d.finish_reason is not None or len(d.token_ids) >= self.stream_interval for d in deltas.values())
 
     def _apply(self, out: EngineCoreOutput, deltas: dict[str, SampleDelta]) -> None:
         sample = self.samples[out.request_id]

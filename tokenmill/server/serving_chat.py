@@ -76,7 +76,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.use_beam_search:  # streamed too, as vLLM does: each beam in one chunk, at the end
             stream = self.start_beam_search(request_id, prompts, req, max_tokens, num_logprobs, tool_constraint, lora)
         else:
-            stream = self.start(request_id, prompts, params, req.priority, raw, "chat", lora, req.user)
+            stream = self.start(request_id, prompts, params, req.priority, raw, "chat", lora, req.user,
+                                req.stream_interval)
         model, created, n = state.served_model_name(lora), int(time.time()), stream.params.n
         if req.stream:  # one conversation: a batch cannot stream (protocol.BatchChatCompletionRequest)
             return self.streamed_response(stream, prompts[0], model, created, *self.stream_usage(req),

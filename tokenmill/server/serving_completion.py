@@ -47,7 +47,8 @@ class OpenAIServingCompletion(OpenAIServing):
             stream = self.start_beam_search(request_id, prompts, req, max_tokens, num_logprobs, lora_request=lora)
         else:
             params = self.sampling_params(req, max_tokens, num_logprobs, prompt_logprobs)
-            stream = self.start(request_id, prompts, params, req.priority, raw, "text_completion", lora, req.user)
+            stream = self.start(request_id, prompts, params, req.priority, raw, "text_completion", lora, req.user,
+                                req.stream_interval)
         echo_texts = [state.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         model, created, n = state.served_model_name(lora), int(time.time()), stream.params.n
         as_ids = self.tokens_as_ids(req)

@@ -241,8 +241,8 @@ class OpenAIServing:
         return specs[0]
 
     def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-               raw: Request, operation: str, lora_request: LoRARequest | None = None,
-              user: str | None = None) -> GenerationStream:
+              raw: Request, operation: str, lora_request: LoRARequest | None = None,
+              user: str | None = None, stream_interval: int | None = None) -> GenerationStream:
         """Validates every prompt first, so that a bad one fails the request before anything reaches the engine.
         lora_request: the adapter the request's model names (ServerState.check_model). user: OpenAI's end-user id,
         on the log line and the trace span, so that an operator can find one user's requests (abuse monitoring)."""
@@ -260,6 +260,7 @@ class OpenAIServing:
                         lora_request.lora_name if lora_request else None, user)
         # submitted in the same event-loop turn as the check (EngineClient.generate)
         stream = state.client.generate(request_id, prompts, params, state.tokenizer, priority, lora_request)
+        stream.stream_interval = stream_interval or state.config.stream_interval
         if state.tracer is not None:
             stream.trace = RequestTrace(
                 request_id, operation, state.served_model_name(lora_request), dict(raw.headers), params.max_tokens,

@@ -235,7 +235,8 @@ class OpenAIServingResponses(OpenAIServing):
                 break
             context = drop_oldest(context)
         params = self.params(req, tool_constraint)
-        stream = self.start(new_id("resp"), [prompt_ids], params, req.priority, raw, "responses", lora, req.user)
+        stream = self.start(new_id("resp"), [prompt_ids], params, req.priority, raw, "responses", lora, req.user,
+                            req.stream_interval)
         echo = self.echo(req, stream.request_id, params, state.served_model_name(lora))
         splitter = ReasoningSplitter(state.reasoning, prompt_text) if state.reasoning is not None else None
         tool_parser = TOOL_PARSERS[state.config.auto_tool_call_parser]() if tool_mode == "auto" else None
