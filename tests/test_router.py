@@ -728,6 +728,17 @@ def test_every_endpoint_of_the_replicas_is_served_through_the_router(replicas_se
         replay = httpx.get(f"{router.url}/v1/responses/{streamed_id}", params={"stream": "true", "starting_after": 1},
                            timeout=30)
         assert replay.status_code == 200 and replay.text == streamed.text.split("\n\n", 2)[2], replay.text
+        # a live one is relayed as it comes: its first events arrive while it still runs
+        live = httpx.post(router.url + "/v1/responses", timeout=120, json={
+            "model": MODEL, "input": "Write a long story.", "max_output_tokens": 300, "background": True})
+        live_id = live.json()["id"]
+        with httpx.stream("GET", f"{router.url}/v1/responses/{live_id}", params={"stream": "true"},
+                          timeout=120) as events:
+            first = next(events.iter_lines())
+            assert first == "event: response.created", first
+            status = httpx.get(f"{router.url}/v1/responses/{live_id}", timeout=30).json()["status"]
+            assert status in ("queued", "in_progress"), status
+        assert httpx.post(f"{router.url}/v1/responses/{live_id}/cancel", timeout=30).status_code == 200
     finally:
         router.stop()
 

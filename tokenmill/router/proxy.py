@@ -352,7 +352,7 @@ async def _dispatch(state: RouterState, ex: Exchange, path: str, route: str, raw
             relay = _relay_resumable(state, ex, first, chunks)
         else:
             ex.stream = None  # an error answer passes through as it is
-            relay = _relay(ex, first, chunks)
+            relay = _relay(ex.replica, first, chunks)
         return RelayResponse(ex, relay, upstream.status, response_headers)
     state.metrics.failures.labels("all_attempts_failed").inc()
     return _unavailable(f"no replica could serve the request ({last_failure})")
@@ -487,7 +487,7 @@ async def _open(state: RouterState, ex: Exchange, replica: Replica, path: str, c
     return upstream, first, chunks
 
 
-async def _relay(ex: Exchange, first: bytes, chunks):
+async def _relay(replica: Replica, first: bytes, chunks):
     """A stream that cannot be resumed (or an error answer to a streamed request), passed on as it comes."""
     try:
         if first:
@@ -495,7 +495,7 @@ async def _relay(ex: Exchange, first: bytes, chunks):
         async for chunk in chunks:
             yield chunk
     except TRANSPORT_ERRORS as e:
-        logger.warning("%s failed mid-response: %s", ex.replica.name, type(e).__name__)
+        logger.warning("%s failed mid-response: %s", replica.name, type(e).__name__)
         yield _stream_error(f"the replica serving this stream failed: {type(e).__name__}")
 
 
@@ -598,25 +598,45 @@ def _get_headers(state: RouterState, request: Request) -> dict[str, str]:
             and not (state.tenants is not None and k.lower() == "authorization")}
 
 
-async def forward_get(state: RouterState, request: Request, skip_not_found: bool = False) -> Response:
+async def forward_get(state: RouterState, request: Request, skip_not_found: bool = False):
     """A GET that any replica answers alike (/version, /tokenizer_info): the first admitted replica that answers.
     With skip_not_found (a stored response, held by one replica: its GET, DELETE, or POST .../cancel, none with a
-    body), the first that does not answer 404."""
+    body), the first that does not answer 404. An answer that is an event stream (a background response followed
+    with ?stream=true) is relayed as it comes."""
     answer, path, headers = None, request.url.path, _get_headers(state, request)
     if request.url.query:  # GET /v1/responses/{id}?stream=true&starting_after=N
         path += "?" + request.url.query
     for replica in state.replicas.routable():
         try:
-            status, body, upstream_headers = await state.client.get(replica.url + path, None, headers,
-                                                                    request.method)
+            upstream = await state.client.request(request.method, replica.url, path, b"", headers)
         except TRANSPORT_ERRORS as e:
             state.replicas.eject(replica, f"{type(e).__name__} while proxying")
             continue
-        headers = {k: v for k, v in upstream_headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
-        answer = Response(body, status_code=status, headers=headers)
-        if not (skip_not_found and status == 404):
+        headers_out = {k: v for k, v in upstream.headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return RelayResponse(HeldAnswer(upstream), _relay(replica, b"", upstream.iter_chunks()),
+                                 upstream.status, headers_out)
+        try:
+            body = await upstream.read()
+        except TRANSPORT_ERRORS as e:
+            state.replicas.eject(replica, f"{type(e).__name__} while proxying")
+            continue
+        finally:
+            upstream.release()
+        answer = Response(body, status_code=upstream.status, headers=headers_out)
+        if not (skip_not_found and upstream.status == 404):
             return answer
     return answer or _unavailable("no replica is admitted")
+
+
+@dataclass
+class HeldAnswer:
+    """A relayed GET's replica answer, for RelayResponse to close: its connection goes back to the pool when the
+    answer was read to its end, else it is closed."""
+    upstream: ReplicaResponse
+
+    async def close(self) -> None:
+        self.upstream.release()
 
 
 async def list_models(state: RouterState, request: Request) -> Response:

@@ -256,17 +256,16 @@ class ReplicaClient:
     async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> ReplicaResponse:
         return await self.request("POST", base_url, path, body, headers)
 
-    async def get(self, url: str, timeout_s: float | None = None, headers: dict[str, str] | None = None,
-                  method: str = "GET") -> tuple[int, bytes, dict[str, str]]:
-        """GET url (or another method without a body: DELETE), read whole: (status, body, headers). `timeout_s`
-        bounds the whole exchange."""
+    async def get(self, url: str, timeout_s: float | None = None,
+                  headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+        """GET url, read whole: (status, body, headers). `timeout_s` bounds the whole exchange."""
         parts = urlsplit(url)
         base, path = f"{parts.scheme}://{parts.netloc}", parts.path or "/"
         if parts.query:
             path += "?" + parts.query
 
         async def exchange():
-            response = await self.request(method, base, path, b"", headers or {})
+            response = await self.request("GET", base, path, b"", headers or {})
             try:
                 return response.status, await response.read(), response.headers
             finally:
