@@ -256,10 +256,15 @@ CHECKED_AT_RUN_TIME = {
     "length_penalty", "early_stopping",  # only with use_beam_search
     "kv_transfer_params",  # the server's --kv-transfer-config role (none here), the remote fields do_remote_prefill needs
     "thinking",  # /v1/messages' thinking enabled: a reasoning model only (--reasoning-parser)
+    "allowed_token_ids", "bad_words",  # token ids within the vocabulary (the model's, which the schema cannot say)
+    "chat_template",  # a request's own template: with --trust-request-chat-template only
+    "starting_after",  # GET /v1/responses/{id}: only with stream=true
+    "background",  # needs store true
 }
 # With use_beam_search, the sampling fields beam search does not honour (tokenmill/server/serving_engine.py)
 REFUSED_WITH_BEAM_SEARCH = {"top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                            "stop", "stop_token_ids", "min_tokens", "logit_bias", "prompt_logprobs"}
+                            "stop", "stop_token_ids", "min_tokens", "logit_bias", "prompt_logprobs",
+                            "allowed_token_ids", "bad_words", "cache_salt"}
 
 
 def refused_only_at_run_time(ctx, response, case) -> bool | None:

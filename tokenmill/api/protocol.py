@@ -177,7 +177,7 @@ class SamplingFields(_Body):
                               "routed_experts_prompt_start", "return_token_offsets",
                               "return_mm_kwargs", "request_id", "session_id", "logits_processors",
                               "guided_decoding_backend", "guided_whitespace_pattern")}
-    allowed_token_ids: list[Int] | None = None  # vLLM's: sample among these only
+    allowed_token_ids: Annotated[list[Int], Field(min_length=1)] | None = None  # vLLM's: sample among these only
     bad_words: list[str] | None = []  # vLLM's: words never generated (sampling_params.bad_words_token_ids)
     logprob_token_ids: None = None
     watermarking: Literal[False] | None = None
