@@ -47,11 +47,11 @@ class LLM:
     def start_profile(self) -> None:
         """vLLM's LLM.start_profile: torch's profiler records the engine until stop_profile (needs
         VLLM_TORCH_PROFILER_DIR, where the trace goes)."""
-        self.engine.start_profile()
+        self.engine.profiler.start()
 
     def stop_profile(self) -> None:
         """vLLM's LLM.stop_profile: ends the recording and writes its Chrome trace."""
-        self.engine.stop_profile()
+        self.engine.profiler.stop()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what generate() and chat() use when given no SamplingParams, the model's generation_config.json

@@ -226,7 +226,7 @@ class EngineCoreLoop:
             self.control_replies.append(self._lora_reply(msg))
         elif isinstance(msg, Profile):
             try:
-                self.engine.start_profile() if msg.start else self.engine.stop_profile()
+                self.engine.profiler.start() if msg.start else self.engine.profiler.stop()
                 self.control_replies.append(ControlReply(msg.query_id))
             except ValueError as e:
                 self.control_replies.append(ControlReply(msg.query_id, str(e)))

@@ -115,7 +115,7 @@ class EngineCore:
         self.transfer_counters: TransferCounters | None = None
         self.offload = self.scheduler.offload = self._offloader(config, prefix_caching)
         self._save_backlog: collections.deque[SaveJob] = collections.deque()  # computed, not yet queued
-        self.profiler = TorchProfiler()
+        self.profiler = TorchProfiler()  # vLLM's start_profile / stop_profile (VLLM_TORCH_PROFILER_DIR)
         self.sleep_level = 0  # 0: awake; else the deepest level slept at since the engine was last fully awake
         if config.enable_sleep_mode and encoder:
             raise ValueError("--enable-sleep-mode frees a KV pool and its caches; this encoder model keeps none")
@@ -212,14 +212,6 @@ class EngineCore:
         if self.lora is None:
             raise ParamError("this engine serves no LoRA adapters: start it with --enable-lora", "model")
         return self.lora
-
-    def start_profile(self) -> None:
-        """vLLM's start_profile: torch's profiler records every step from now on (VLLM_TORCH_PROFILER_DIR)."""
-        self.profiler.start()
-
-    def stop_profile(self) -> None:
-        """vLLM's stop_profile: the recording ends and its Chrome trace is written to VLLM_TORCH_PROFILER_DIR."""
-        self.profiler.stop()
 
     def reset_prefix_cache(self) -> int:
         """vLLM's reset_prefix_cache: the pool forgets every cached prefix (the tiers beyond it keep theirs)."""

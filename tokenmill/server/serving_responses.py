@@ -278,15 +278,12 @@ class OpenAIServingResponses(OpenAIServing):
 
         async def generate() -> None:
             self.store(msgspec.structs.replace(queued, status="in_progress"), None)
-            try:
-                async for chunk in body:
-                    log.extend(chunk)
-            finally:
-                await body.aclose()
-                log.finish()
+            async for chunk in body:  # a cancel ends the body too (its `with stream` aborts the engine request)
+                log.extend(chunk)
 
         def ended(_) -> None:
-            """However the task ends, a cancel before it ran included, its engine request is aborted."""
+            """However the task ends, a cancel before it ran included, its engine request is aborted and its
+            followers see the log's end."""
             stream.close()
             log.finish()
             self.background.pop(response_id, None)
@@ -314,14 +311,10 @@ class OpenAIServingResponses(OpenAIServing):
         """POST /v1/responses/{id}/cancel: a background response still queued or running stops (its KV is freed)
         and is kept as cancelled; any other is a 400, as OpenAI answers."""
         response, _ = self.lookup(response_id)
-        task = self.background.get(response_id)
-        if task is None or task.done():
+        if not await self._stop(response_id):
             why = ("Cannot cancel a synchronous response." if not response.background
                    else f"Cannot cancel a response that is already {response.status}.")
             raise ParamError(why, "response_id")
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         cancelled = msgspec.structs.replace(response, status="cancelled")
         self.store(cancelled, None)
         return json_response(cancelled)
@@ -329,14 +322,20 @@ class OpenAIServingResponses(OpenAIServing):
     async def delete(self, response_id: str) -> Response:
         """DELETE /v1/responses/{id}: forgotten (a background one still running is cancelled first)."""
         self.lookup(response_id)
-        task = self.background.get(response_id)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._stop(response_id)
         self.stored.pop(response_id, None)
         self.event_logs.pop(response_id, None)
         return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def _stop(self, response_id: str) -> bool:
+        """Cancels a background response still running, once it has stopped; False when none was."""
+        task = self.background.get(response_id)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return True
 
     def fits(self, prompt_ids: list[int], max_output_tokens: int | None) -> bool:
         """Whether the prompt and the tokens asked for (at least one) fit the context."""
