@@ -30,7 +30,7 @@ from tokenmill.models.quantization import W8A8Weight
 
 ISAS = runnable_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="this CPU runs neither kernel build")
-ROWS = [1, 3, 16, 100, 257]
+ROWS = [1, 3, 16, 100, 257, 481]
 # (N, K): N below, at and above a group of 16 with tails; K from 6 to SmolLM2's widest, with tails not a multiple
 # of 4 (one 4-byte lane), 32 (AVX2's vector) or 64 (AVX-512's, and the activations' block)
 SHAPES = [(37, 30), (16, 6), (100, 96), (129, 577), (33, 1536), (48, 200)]
