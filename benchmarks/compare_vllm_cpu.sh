@@ -7,7 +7,10 @@
 #                                                        TOKENMILL_ARGS: more `tokenmill serve` flags, e.g.
 #                                                        "--quantization none" for the dense model;
 #                                                        VLLM_FIRST=1: vLLM runs each level first, to run the
-#                                                        two orders where the host's speed drifts)
+#                                                        two orders where the host's speed drifts;
+#                                                        ALSO="w8a8=--quantization w8a8;dense=--quantization none":
+#                                                        more tokenmill servers up beside, one per NAME=FLAGS,
+#                                                        compared in the same run)
 set -euo pipefail
 DTYPE=${1:-bfloat16}
 PREC=$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)
@@ -22,11 +25,25 @@ VLLM=$!
 $PY/tokenmill serve --dtype "$DTYPE" --max-model-len 2048 --port 8000 --disable-log-stats ${TOKENMILL_ARGS:-} \
   > "$OUT/tokenmill-server.log" 2>&1 &
 TM=$!
-trap 'kill $TM $VLLM 2>/dev/null || true' EXIT
-until curl -sf http://127.0.0.1:8000/health/ready > /dev/null; do sleep 2; done
+PIDS=($TM $VLLM)
+trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
+TARGETS=(tokenmill=http://127.0.0.1:8000)
+PORT=8001
+IFS=';' read -ra CONFIGS <<< "${ALSO:-}"
+for config in "${CONFIGS[@]}"; do
+  # shellcheck disable=SC2086 # the flags after NAME= are a list
+  $PY/tokenmill serve --dtype "$DTYPE" --max-model-len 2048 --port $PORT --disable-log-stats ${config#*=} \
+    > "$OUT/tokenmill-${config%%=*}-server.log" 2>&1 &
+  PIDS+=($!)
+  TARGETS+=("tokenmill-${config%%=*}=http://127.0.0.1:$PORT")
+  PORT=$((PORT + 1))
+done
+for ((port = 8000; port < PORT; port++)); do
+  until curl -sf "http://127.0.0.1:$port/health/ready" > /dev/null; do sleep 2; done
+done
 until curl -sf http://127.0.0.1:8100/v1/models > /dev/null; do sleep 2; done
-TARGETS=(tokenmill=http://127.0.0.1:8000 vllm-cpu=http://127.0.0.1:8100)
-[ "${VLLM_FIRST:-0}" = 1 ] && TARGETS=("${TARGETS[1]}" "${TARGETS[0]}")
+if [ "${VLLM_FIRST:-0}" = 1 ]; then TARGETS=(vllm-cpu=http://127.0.0.1:8100 "${TARGETS[@]}")
+else TARGETS+=(vllm-cpu=http://127.0.0.1:8100); fi
 $PY/tokenmill bench serve --compare "${TARGETS[@]}" \
   --dataset random --input-len 256 --output-len 128 --concurrency "${CONCURRENCY:-1,8,32,64}" --requests-per-stream 2 \
   --warmup 4 --ignore-eos --precision "$PREC" --slo ttft_p99_ms=2000,itl_p50_ms=100 --seed "${SEED:-1130}" \
