@@ -139,6 +139,14 @@ def test_w8a8_matches_quantize_dequantize_reference(ops, dtype):
             assert ((y.double() - ref).abs() <= tol).all(), (n, k, m, (y.double() - ref).abs().max().item())
 
 
+def test_no_rows(ops):
+    """An empty batch gives an empty output on every path (the rows' split has no chunk to hand out)."""
+    packed = W8A8Weight(torch.randn(40, 96, generator=torch.Generator().manual_seed(3)))
+    for dtype in (torch.float32, torch.bfloat16):
+        y = ops.w8a8_linear(torch.zeros(0, 96, dtype=dtype), packed.qweight, packed.meta, None, 40)
+        assert y.shape == (0, 40) and y.dtype == dtype
+
+
 def test_int_sums_at_the_saturation_extremes(ops):
     """Activations -128 and 127 against weights -127 and 127: every vpmaddubsw pair of the AVX2 path at its
     largest magnitude (2 * 128 * 127 = 32512, below int16's 32767; the plain u8 form xq + 128 would reach

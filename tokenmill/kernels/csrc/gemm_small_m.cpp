@@ -163,20 +163,20 @@ void f32_gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias, 
 constexpr int64_t kAmxChunk = 256;  // rows per work item at most
 
 // y [M, Np] = x [M, K] W^T (+ bias), W packed [Np/16][K/2][16][2] bf16, K a multiple of 32: work items of
-// kAmxChunk rows x kAmxSpan groups (amx.h's amx_bf16_rows).
+// up to kAmxChunk rows (cut evenly: even_row_chunks) x kAmxSpan groups (amx.h's amx_bf16_rows).
 void amx_bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0), Np = groups * 16;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t chunk_rows = even_row_chunk(M, kAmxChunk, 16);
-  const int64_t spans = (groups + kAmxSpan - 1) / kAmxSpan, chunks = (M + chunk_rows - 1) / chunk_rows;
-  at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
+  const RowChunks chunks = even_row_chunks(M, kAmxChunk, 16);
+  const int64_t spans = (groups + kAmxSpan - 1) / kAmxSpan;
+  at::parallel_for(0, chunks.count * spans, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> tail;
     amx_configure();
     for (int64_t i = begin; i < end; ++i) {
       const int64_t chunk = i / spans, g_first = (i % spans) * kAmxSpan;
-      amx_bf16_rows(xp, x.stride(0), chunk * chunk_rows, std::min(M, (chunk + 1) * chunk_rows), M,
+      amx_bf16_rows(xp, x.stride(0), chunk * chunks.rows, std::min(M, (chunk + 1) * chunks.rows), M,
                     wp + g_first * K * 16, std::min<int64_t>(kAmxSpan, groups - g_first), K,
                     bias ? bias + g_first * 16 : nullptr, yp + g_first * 16, Np, tail);
     }

@@ -160,14 +160,18 @@ inline typename Elem<T>::raw* raw_ptr(const at::Tensor& t) {
   return reinterpret_cast<typename Elem<T>::raw*>(t.data_ptr());
 }
 
-// Rows per work item when a GEMM's parallel items are (chunk of rows) x (span of outputs): M cut into
-// ceil(M / target) chunks of one size, a multiple of `multiple` (the register block's rows). at::parallel_for
+// How a GEMM whose parallel items are (chunk of rows) x (span of outputs) cuts its M rows: into ceil(M / target)
+// chunks of one size, a multiple of `multiple` (the register block's rows); no chunk for no rows. at::parallel_for
 // hands each thread an equal count of items, so they must weigh the same: chunks of `target` rows and one short
 // tail gave one of two threads 70% of a 512-row W8A8 linear (240 + 240 + 32 rows; 1.43x its one-thread speed).
-inline int64_t even_row_chunk(int64_t M, int64_t target, int64_t multiple) {
-  const int64_t chunks = std::max<int64_t>(1, (M + target - 1) / target);
-  const int64_t rows = (M + chunks - 1) / chunks;
-  return (rows + multiple - 1) / multiple * multiple;
+struct RowChunks {
+  int64_t rows, count;  // rows per chunk (the last may have fewer), chunks
+};
+inline RowChunks even_row_chunks(int64_t M, int64_t target, int64_t multiple) {
+  const int64_t count = (M + target - 1) / target;
+  if (count == 0) return {multiple, 0};
+  const int64_t rows = ((M + count - 1) / count + multiple - 1) / multiple * multiple;
+  return {rows, (M + rows - 1) / rows};
 }
 
 #define TM_DISPATCH(dtype, NAME, ...)                                              \

@@ -477,9 +477,9 @@ void gemm(const uint8_t* xq, const float* xs, int64_t M, int64_t kp, const at::T
   // a work item: a chunk of rows x a span of register blocks' groups, rows outer (a row's outputs are written
   // span x 16 at a time; the span's weights stay in L1/L2 while the chunk's rows pass)
   const int64_t per_item = kn.groups * kn.span;
-  const int64_t chunk_rows = even_row_chunk(M, kRowChunk, kn.rows);
-  const int64_t tiles = (groups + per_item - 1) / per_item, chunks = (M + chunk_rows - 1) / chunk_rows;
-  at::parallel_for(0, chunks * tiles, 1, [&](int64_t begin, int64_t end) {
+  const RowChunks chunks = even_row_chunks(M, kRowChunk, kn.rows);
+  const int64_t tiles = (groups + per_item - 1) / per_item;
+  at::parallel_for(0, chunks.count * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<char> buf(kRowsMax * kGroupsVnni * kGroup * 4 * (Raw ? nb : 1));
 #if defined(__AVX512F__)
     if (kn.amx) amx_configure();
@@ -487,8 +487,8 @@ void gemm(const uint8_t* xq, const float* xs, int64_t M, int64_t kp, const at::T
     for (int64_t i = begin; i < end; ++i) {
       const int64_t chunk = i / tiles, first = (i % tiles) * per_item;
       const int64_t last = std::min(groups, first + per_item);
-      const int64_t m_end = std::min(M, (chunk + 1) * chunk_rows);
-      for (int64_t m0 = chunk * chunk_rows; m0 < m_end; m0 += kn.rows) {
+      const int64_t m_end = std::min(M, (chunk + 1) * chunks.rows);
+      for (int64_t m0 = chunk * chunks.rows; m0 < m_end; m0 += kn.rows) {
         const int rows = static_cast<int>(std::min<int64_t>(kn.rows, m_end - m0));
         for (int64_t g0 = first; g0 < last; g0 += kn.groups) {
           const int g = static_cast<int>(std::min<int64_t>(kn.groups, last - g0));
