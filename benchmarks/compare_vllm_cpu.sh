@@ -12,30 +12,19 @@
 #                                                        more tokenmill servers up beside, one per NAME=FLAGS,
 #                                                        compared in the same run)
 set -euo pipefail
-DTYPE=${1:-bfloat16}
-PREC=$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)
-OUT=${2:-benchmarks/runs/compare-vllm-cpu-$PREC}
-PEERS=${PEERS:-../shared/peers}
-PY=${PY:-.venv/bin}
-mkdir -p "$OUT"
-lscpu > "$OUT/lscpu.txt"
-nohup "$PEERS/serve_vllm.sh" --dtype "$DTYPE" > "$OUT/vllm-server.log" 2>&1 &
-VLLM=$!
-# shellcheck disable=SC2086 # TOKENMILL_ARGS is a list of flags
-$PY/tokenmill serve --dtype "$DTYPE" --max-model-len 2048 --port 8000 --disable-log-stats ${TOKENMILL_ARGS:-} \
-  > "$OUT/tokenmill-server.log" 2>&1 &
-TM=$!
-PIDS=($TM $VLLM)
-trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
-TARGETS=(tokenmill=http://127.0.0.1:8000)
-PORT=8001
-IFS=';' read -ra CONFIGS <<< "${ALSO:-}"
+NAME=compare-vllm-cpu
+source "$(dirname "$0")/side_by_side.sh" "$@"
+nohup "$PEERS/serve_vllm.sh" --dtype "$DTYPE" > "$OUT/vllm-server.log" 2>&1 & PIDS+=($!)
+# tokenmill (TOKENMILL_ARGS) on port 8000, then each of ALSO's NAME=FLAGS as tokenmill-NAME on the next ports
+CONFIGS=("tokenmill=${TOKENMILL_ARGS:-}")
+IFS=';' read -ra MORE <<< "${ALSO:-}"
+for config in "${MORE[@]}"; do CONFIGS+=("tokenmill-$config"); done
+TARGETS=()
+PORT=8000
 for config in "${CONFIGS[@]}"; do
   # shellcheck disable=SC2086 # the flags after NAME= are a list
-  $PY/tokenmill serve --dtype "$DTYPE" --max-model-len 2048 --port $PORT --disable-log-stats ${config#*=} \
-    > "$OUT/tokenmill-${config%%=*}-server.log" 2>&1 &
-  PIDS+=($!)
-  TARGETS+=("tokenmill-${config%%=*}=http://127.0.0.1:$PORT")
+  $PY/tokenmill serve "${COMMON[@]}" --port $PORT ${config#*=} > "$OUT/${config%%=*}-server.log" 2>&1 & PIDS+=($!)
+  TARGETS+=("${config%%=*}=http://127.0.0.1:$PORT")
   PORT=$((PORT + 1))
 done
 for ((port = 8000; port < PORT; port++)); do
