@@ -1,5 +1,6 @@
-"""Paged attention on this CPU: prefill on each path it runs (the float32-FMA tiles against AMX-BF16 tile
-products, kernels/csrc/attention.cpp attention_item_amx) side by side in one process, and a batch of decodes.
+"""Paged attention on this CPU: prefill on each path it runs (the float32-FMA tiles against bf16 pairs, AMX-BF16
+tile products or AVX512-BF16's vdpbf16ps: kernels/csrc/attention.cpp attention_item_pairs) side by side in one
+process, and a batch of decodes.
 
 Prefill, the paths in turns (ops.attention_select_path) so that a drift of the machine's speed is shared:
 - the kernel alone, SmolLM2-135M's attention shape (9 heads, 3 KV heads, head_dim 64, bf16, blocks of 16) for 30
@@ -126,11 +127,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ops = cpu_ops()
     paths = ["vector"]
-    try:
-        ops.attention_select_path("amx_bf16")
-        paths.append("amx_bf16")
-    except RuntimeError:
-        print("this CPU does not run the AMX-BF16 path: the vector path alone")
+    for path in ("amx_bf16", "avx512_bf16"):
+        try:
+            ops.attention_select_path(path)
+            paths.append(path)
+        except RuntimeError as e:
+            print(e)
     try:
         decode = decode_row(ops, args.repeats, args.decode_seqs, args.decode_context)
         kernel = kernel_rows(ops, paths, args.repeats)

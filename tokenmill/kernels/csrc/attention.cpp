@@ -48,11 +48,12 @@ constexpr int kQueryTile = 16;     // query tokens per item (times the GQA group
 constexpr int kSplitTokens = 256;  // context per part when a decode is split
 constexpr int kRowBlock = 4;       // query rows whose scores are computed together (kept in registers)
 constexpr int kDimChunk = 32;      // head_dim must be a multiple of this (two AVX-512 vectors)
-// AMX-BF16 prefill tiles (attention_item_amx, AVX-512 build): the cache's block size they read, keys per softmax
+// bf16-pair prefill tiles (attention_item_pairs, AVX-512 build): the cache's block size they read, keys per softmax
 // step, and query tokens per item
 constexpr int kAmxAttnBlock = 16;
 constexpr int kAmxKeys = 64;
 constexpr int kAmxQueryTile = 32;
+constexpr int kDotRows = 8;  // query rows per pass of the vdpbf16ps products (divides 16)
 
 struct AttnShape {
   int num_heads, num_kv_heads, head_dim;
@@ -275,23 +276,43 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
   }
 }
 
+// The prefill tiles' products (below); the AVX2 build has only the float32 FMAs
+enum class PrefillPath { kVector, kAmx, kDot };
+std::atomic<int> attention_path{-1};  // -1: auto, else a PrefillPath forced (attention_select_path)
+
 #if defined(__AVX512F__)
-// Prefill tiles on CPUs with AMX-BF16 (a bf16 model with a bf16 cache, blocks of 16): a step's two products,
-// S = Q K^T and P V, are tile products (tdpbf16ps, float32 sums) instead of float32 FMAs, which cap the kernel
-// above at ~0.45 ms per 1,000 query-key pairs for SmolLM2's 30 layers on a 2-core Sapphire Rapids: most of a long
-// prompt's prefill there, and what the step bound (engine/step_cost.py) spends a chunk's budget on. Half the
-// time or less there (benchmarks/attention.py). The online softmax stays float32 (block_softmax) and
-// works on kAmxKeys keys at a time (four cache blocks), so that its per-row work (reductions, rescaling the
-// accumulator) is paid once per 64 keys rather than per 16; P enters its product rounded to bf16, as in flash
-// attention on GPUs. Tiles, all 16 rows x 64 bytes: 0 Q (32 dims), 1 and 4 K (16 dim pairs x 16 keys x 2), 2 and 6
-// S (16 keys, float32), 3 P (32 keys, bf16), 4 and 6 V (16 key pairs x 16 dims x 2), 5 and 7 O (16 dims,
-// float32); two sums in flight in each product. K and V are interleaved by pairs (the tile's B layout) from the
-// cache's own layout, once per block and item.
-std::atomic<int> attention_path{-1};  // -1: auto, 0: vector (FMAs) only
+// Prefill tiles in bf16 pairs (a bf16 model with a bf16 cache, blocks of 16), on two kinds of CPU: a step's two
+// products, S = Q K^T and P V, take bf16 pairs and sum in float32, instead of the float32 FMAs above, which cap
+// that kernel at ~0.45 ms per 1,000 query-key pairs for SmolLM2's 30 layers on a 2-core Sapphire Rapids: most of a
+// long prompt's prefill there, and what the step bound (engine/step_cost.py) spends a chunk's budget on.
+// - kTiles (AMX-BF16): tile products (tdpbf16ps). Half the time or less on Sapphire Rapids.
+// - else (AVX512-BF16 without AMX: Zen 4 and 5): vdpbf16ps, a pair of bf16 products per float32 lane, twice the
+//   multiplies of a float32 FMA per instruction. On a 2-core Zen 4 the kernel takes half the time of the float32
+//   FMA tiles or a little more; on Sapphire Rapids an earlier vdpbf16ps item was slower than them, and AMX runs
+//   there (benchmarks/results/attention.md).
+// The online softmax stays float32 (block_softmax) and works on kAmxKeys keys at a time (four cache blocks), so
+// that its per-row work (reductions, rescaling the accumulator) is paid once per 64 keys rather than per 16; P
+// enters its product rounded to bf16, as in flash attention on GPUs. K and V are interleaved by pairs (the tile's
+// B layout, which is also what vdpbf16ps reads as its pairs) from the cache's own layout, once per block and item.
+// Tiles, all 16 rows x 64 bytes: 0 Q (32 dims), 1 and 4 K (16 dim pairs x 16 keys x 2), 2 and 6 S (16 keys,
+// float32), 3 P (32 keys, bf16), 4 and 6 V (16 key pairs x 16 dims x 2), 5 and 7 O (16 dims, float32); two sums in
+// flight in each product.
 
 bool amx_attention_runs() {
   static const bool runs = __builtin_cpu_supports("avx512bf16") && amx_available(AmxUnit::kBf16);
   return runs;
+}
+
+bool dot_attention_runs() {
+  static const bool runs = __builtin_cpu_supports("avx512bf16");
+  return runs;
+}
+
+// auto: AMX where it runs, else vdpbf16ps where it runs, else the float32 FMAs
+PrefillPath prefill_path() {
+  const int forced = attention_path.load(std::memory_order_relaxed);
+  if (forced >= 0) return static_cast<PrefillPath>(forced);
+  return amx_attention_runs() ? PrefillPath::kAmx : dot_attention_runs() ? PrefillPath::kDot : PrefillPath::kVector;
 }
 
 // a0 b0 a1 b1 ... a15 b15 from 16 bf16 in a and 16 in b.
@@ -305,7 +326,19 @@ __attribute__((target("avx512f"))) inline __m256i load16(const uint16_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void attention_item_amx(
+// A bf16 pair of p (two consecutive elements) in every float32 lane, as vdpbf16ps reads its broadcast operand.
+__attribute__((target("avx512f,avx512bf16"))) inline __m512bh pair_at(const uint16_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+__attribute__((target("avx512f,avx512bf16"))) inline __m512bh bf16_vec(const uint16_t* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+template <bool kTiles>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void attention_item_pairs(
     const WorkItem& w, const uint16_t* q, uint16_t* out, const uint16_t* k_cache, const uint16_t* v_cache,
     const int32_t* block_table, int ctx_len, int q_len, const AttnShape& shape, std::vector<float>& scratch) {
   constexpr int B = kAmxAttnBlock, KB = kAmxKeys, NB = KB / B;
@@ -358,54 +391,104 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
                             interleave_pairs(a_ok ? load16(vb + d) : _mm256_setzero_si256(),
                                              b_ok ? load16(vb + D + d) : _mm256_setzero_si256()));
     }
-    // two sum tiles in flight (2 and 6: two blocks' scores), so that no tile product waits for the one before
-    for (int rt = 0; rt < R16; rt += 16) {
-      for (int b = 0; b < blocks; b += 2) {
-        const bool two = b + 1 < blocks;
-        _tile_zero(2);
-        if (two) _tile_zero(6);
-        for (int d = 0; d < D; d += 32) {
-          _tile_loadd(0, qb + rt * D + d, D * 2);
-          _tile_loadd(1, kp + (b * D + d) * B, 64);
-          _tile_dpbf16ps(2, 0, 1);
-          if (two) {
-            _tile_loadd(4, kp + ((b + 1) * D + d) * B, 64);
-            _tile_dpbf16ps(6, 0, 4);
+    if constexpr (kTiles) {
+      // two sum tiles in flight (2 and 6: two blocks' scores), so that no tile product waits for the one before
+      for (int rt = 0; rt < R16; rt += 16) {
+        for (int b = 0; b < blocks; b += 2) {
+          const bool two = b + 1 < blocks;
+          _tile_zero(2);
+          if (two) _tile_zero(6);
+          for (int d = 0; d < D; d += 32) {
+            _tile_loadd(0, qb + rt * D + d, D * 2);
+            _tile_loadd(1, kp + (b * D + d) * B, 64);
+            _tile_dpbf16ps(2, 0, 1);
+            if (two) {
+              _tile_loadd(4, kp + ((b + 1) * D + d) * B, 64);
+              _tile_dpbf16ps(6, 0, 4);
+            }
           }
+          _tile_stored(2, p + rt * KB + b * B, KB * 4);
+          if (two) _tile_stored(6, p + rt * KB + (b + 1) * B, KB * 4);
         }
-        _tile_stored(2, p + rt * KB + b * B, KB * 4);
-        if (two) _tile_stored(6, p + rt * KB + (b + 1) * B, KB * 4);
+      }
+    } else {
+      // kDotRows rows of one block's 16 scores at a time, even and odd dim pairs in separate sums (2 * kDotRows
+      // chains, past vdpbf16ps's latency), scaled as they are stored
+      for (int rt = 0; rt < R16; rt += kDotRows) {
+        for (int b = 0; b < blocks; ++b) {
+          __m512 s0[kDotRows], s1[kDotRows];
+          for (int i = 0; i < kDotRows; ++i) s0[i] = s1[i] = _mm512_setzero_ps();
+          const uint16_t* kb = kp + b * D * B;  // [D / 2][B][2]
+          for (int d = 0; d < D; d += 4) {
+            const __m512bh k0 = bf16_vec(kb + d * B), k1 = bf16_vec(kb + (d + 2) * B);
+            for (int i = 0; i < kDotRows; ++i) {
+              s0[i] = _mm512_dpbf16_ps(s0[i], pair_at(qb + (rt + i) * D + d), k0);
+              s1[i] = _mm512_dpbf16_ps(s1[i], pair_at(qb + (rt + i) * D + d + 2), k1);
+            }
+          }
+          for (int i = 0; i < kDotRows; ++i)
+            _mm512_storeu_ps(p + (rt + i) * KB + b * B, _mm512_mul_ps(_mm512_add_ps(s0[i], s1[i]), scale));
+        }
       }
     }
-    for (int r = 0; r < R16; ++r)
-      for (int b = 0; b < blocks; ++b)
-        _mm512_storeu_ps(p + r * KB + b * B, _mm512_mul_ps(_mm512_loadu_ps(p + r * KB + b * B), scale));
+    if constexpr (kTiles)
+      for (int r = 0; r < R16; ++r)
+        for (int b = 0; b < blocks; ++b)
+          _mm512_storeu_ps(p + r * KB + b * B, _mm512_mul_ps(_mm512_loadu_ps(p + r * KB + b * B), scale));
     block_softmax<KB>(p, R, R16, start, lo, n, last, first, m, l, corr);
     for (int r = 0; r < R16; ++r)
       for (int b = 0; b < NB; ++b)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * KB + b * B),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * KB + b * B)));
     const int chunks = (n + 31) / 32;
-    for (int rt = 0; rt < R16; rt += 16) {  // two output tiles in flight (5 and 7: 32 dims), D a multiple of 32
-      for (int d = 0; d < D; d += 32) {
-        _tile_zero(5);
-        _tile_zero(7);
-        for (int c = 0; c < chunks; ++c) {
-          _tile_loadd(3, pb + rt * KB + c * 32, KB * 2);
-          _tile_loadd(4, vp + (c * (D / 16) + d / 16) * 16 * 32, 64);
-          _tile_dpbf16ps(5, 3, 4);
-          _tile_loadd(6, vp + (c * (D / 16) + d / 16 + 1) * 16 * 32, 64);
-          _tile_dpbf16ps(7, 3, 6);
+    if constexpr (kTiles) {
+      for (int rt = 0; rt < R16; rt += 16) {  // two output tiles in flight (5 and 7: 32 dims), D a multiple of 32
+        for (int d = 0; d < D; d += 32) {
+          _tile_zero(5);
+          _tile_zero(7);
+          for (int c = 0; c < chunks; ++c) {
+            _tile_loadd(3, pb + rt * KB + c * 32, KB * 2);
+            _tile_loadd(4, vp + (c * (D / 16) + d / 16) * 16 * 32, 64);
+            _tile_dpbf16ps(5, 3, 4);
+            _tile_loadd(6, vp + (c * (D / 16) + d / 16 + 1) * 16 * 32, 64);
+            _tile_dpbf16ps(7, 3, 6);
+          }
+          _tile_stored(5, pv + rt * D + d, D * 4);
+          _tile_stored(7, pv + rt * D + d + 16, D * 4);
         }
-        _tile_stored(5, pv + rt * D + d, D * 4);
-        _tile_stored(7, pv + rt * D + d + 16, D * 4);
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 c = _mm512_set1_ps(corr[r]);
-      for (int d = 0; d < D; d += 16)
-        _mm512_storeu_ps(acc + r * D + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + r * D + d), c,
-                                                          _mm512_loadu_ps(pv + r * D + d)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 c = _mm512_set1_ps(corr[r]);
+        for (int d = 0; d < D; d += 16)
+          _mm512_storeu_ps(acc + r * D + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + r * D + d), c,
+                                                            _mm512_loadu_ps(pv + r * D + d)));
+      }
+    } else {
+      // acc = acc * corr + P V, kDotRows rows and 32 dims at a time in registers, a key pair per step
+      const int key_pairs = (n + 1) / 2;
+      for (int rt = 0; rt < R; rt += kDotRows) {
+        for (int d = 0; d < D; d += 32) {
+          __m512 a0[kDotRows], a1[kDotRows];
+          for (int i = 0; i < kDotRows; ++i) {
+            const __m512 c = _mm512_set1_ps(corr[rt + i]);
+            a0[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (rt + i) * D + d), c);
+            a1[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (rt + i) * D + d + 16), c);
+          }
+          for (int jp = 0; jp < key_pairs; ++jp) {  // vp: [KB / 32][D / 16][16 key pairs][16 dims][2]
+            const uint16_t* v = vp + ((jp / 16 * (D / 16) + d / 16) * 16 + jp % 16) * 32;
+            const __m512bh v0 = bf16_vec(v), v1 = bf16_vec(v + 16 * 32);
+            for (int i = 0; i < kDotRows; ++i) {
+              const __m512bh pp = pair_at(pb + (rt + i) * KB + 2 * jp);
+              a0[i] = _mm512_dpbf16_ps(a0[i], pp, v0);
+              a1[i] = _mm512_dpbf16_ps(a1[i], pp, v1);
+            }
+          }
+          for (int i = 0; i < kDotRows; ++i) {
+            _mm512_storeu_ps(acc + (rt + i) * D + d, a0[i]);
+            _mm512_storeu_ps(acc + (rt + i) * D + d + 16, a1[i]);
+          }
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -480,14 +563,14 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const int64_t table_stride = block_tables.stride(0);
   const int threads = at::get_num_threads();
 
-  // AMX-BF16 for the items with a tile of query rows (prefill chunks), where it runs;
+  // bf16 pairs (AMX tiles or vdpbf16ps) for the items with a tile of query rows (prefill chunks), where they run;
   // their items take more query tokens (kAmxQueryTile), which share each block's interleaving
-  bool amx = false;
+  PrefillPath path = PrefillPath::kVector;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::BFloat16> && B == kAmxAttnBlock)
-    amx = !shape.new_k && shape.kv_format == tm_kv::KVFormat::kNative && D % 32 == 0 &&
-          attention_path.load(std::memory_order_relaxed) != 0 && amx_attention_runs();
+    if (!shape.new_k && shape.kv_format == tm_kv::KVFormat::kNative && D % 32 == 0) path = prefill_path();
 #endif
+  const bool pairs = path != PrefillPath::kVector, amx = path == PrefillPath::kAmx;
   int64_t base_items = 0;
   for (int s = 0; s < num_seqs; ++s)
     base_items += static_cast<int64_t>((qsl[s + 1] - qsl[s] + kQueryTile - 1) / kQueryTile) * shape.num_kv_heads;
@@ -511,7 +594,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
           items.push_back({s, h, 0, 1, begin + i * per, std::min(ctx, begin + (i + 1) * per), num_partials++});
         continue;
       }
-      const int tile = amx && q_len * G >= 16 ? kAmxQueryTile : kQueryTile;
+      const int tile = pairs && q_len * G >= 16 ? kAmxQueryTile : kQueryTile;
       for (int b = 0; b < q_len; b += tile)
         items.push_back({s, h, b, std::min(q_len, b + tile), first_key(b), ctx, -1});
     }
@@ -542,10 +625,17 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
       const WorkItem& w = items[i];
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, at::BFloat16> && B == kAmxAttnBlock) {
-        if (amx && w.partial < 0 && (w.q_end - w.q_begin) * G >= 16) {
-          attention_item_amx(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, static_cast<const uint16_t*>(kc),
-                             static_cast<const uint16_t*>(vc), tables + w.seq * table_stride, lens[w.seq],
-                             qsl[w.seq + 1] - qsl[w.seq], shape, scratch);
+        if (pairs && w.partial < 0 && (w.q_end - w.q_begin) * G >= 16) {
+          const auto* k16 = static_cast<const uint16_t*>(kc);
+          const auto* v16 = static_cast<const uint16_t*>(vc);
+          const int32_t* table = tables + w.seq * table_stride;
+          const int q_len = qsl[w.seq + 1] - qsl[w.seq];
+          if (amx)
+            attention_item_pairs<true>(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, k16, v16, table, lens[w.seq],
+                                       q_len, shape, scratch);
+          else
+            attention_item_pairs<false>(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, k16, v16, table, lens[w.seq],
+                                        q_len, shape, scratch);
           continue;
         }
       }
@@ -672,20 +762,29 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
 std::string attention_prefill_path() {
 #if defined(__AVX512F__)
-  if (attention_path.load(std::memory_order_relaxed) != 0 && amx_attention_runs()) return "amx_bf16";
+  switch (prefill_path()) {
+    case PrefillPath::kAmx: return "amx_bf16";
+    case PrefillPath::kDot: return "avx512_bf16";
+    case PrefillPath::kVector: break;
+  }
 #endif
   return "vector";
 }
 
+// Forces the prefill tiles' path (for tests and benchmarks), or "auto"; returns the path in use before.
 std::string attention_select_path(const std::string& path) {
   const std::string previous = attention_prefill_path();
-  TORCH_CHECK(path == "auto" || path == "vector" || path == "amx_bf16",
-              "attention_select_path: unknown path '", path, "' (auto, vector, amx_bf16)");
+  TORCH_CHECK(path == "auto" || path == "vector" || path == "amx_bf16" || path == "avx512_bf16",
+              "attention_select_path: unknown path '", path, "' (auto, vector, amx_bf16, avx512_bf16)");
 #if defined(__AVX512F__)
   TORCH_CHECK(path != "amx_bf16" || amx_attention_runs(), "attention_select_path: this CPU does not run amx_bf16");
-  attention_path.store(path == "vector" ? 0 : -1, std::memory_order_relaxed);
+  TORCH_CHECK(path != "avx512_bf16" || dot_attention_runs(),
+              "attention_select_path: this CPU does not run avx512_bf16");
+  const PrefillPath forced = path == "vector" ? PrefillPath::kVector
+                             : path == "amx_bf16" ? PrefillPath::kAmx : PrefillPath::kDot;
+  attention_path.store(path == "auto" ? -1 : static_cast<int>(forced), std::memory_order_relaxed);
 #else
-  TORCH_CHECK(path != "amx_bf16", "attention_select_path: this build does not run amx_bf16");
+  TORCH_CHECK(path == "auto" || path == "vector", "attention_select_path: this build does not run ", path);
 #endif
   return previous;
 }
