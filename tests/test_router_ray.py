@@ -184,10 +184,17 @@ def test_serve_ray_scales_on_the_engine_queue_and_routes_prefixes_to_their_cache
     # both replicas served: the first the burst, the one that joined the burst's end or the prefix workload
     served = _requests_by_replica(url)
     assert served.get(first[0], 0) > 0 and served.get(joined, 0) > 0, served
-    # a stream through Serve's proxy and the router's relay arrives whole, to its [DONE]
+    # a stream through Serve's proxy and the router's relay arrives whole, to its [DONE]: its text is the
+    # unstreamed completion's, and its usage counts every token (a lagging reader gets tokens merged into fewer
+    # chunks, as vLLM's output collector merges them, so the chunks are not counted)
+    request = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+               "ignore_eos": True}
+    whole = httpx.post(url + "/v1/completions", timeout=120, json=request).json()["choices"][0]["text"]
     with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True, "stream": True}) as stream:
+            **request, "stream": True, "stream_options": {"include_usage": True}}) as stream:
         body = b"".join(stream.iter_bytes())
     assert stream.status_code == 200 and body.rstrip().endswith(b"data: [DONE]"), body[-300:]
-    assert body.count(b'"text"') >= 8
+    events = [json.loads(line[6:]) for line in body.decode().splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == whole
+    assert events[-1]["usage"]["completion_tokens"] == 8
