@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -278,6 +279,7 @@ void attention_item(const WorkItem& w, const typename Elem<T>::raw* q, typename 
 
 // The prefill tiles' products (below); the AVX2 build has only the float32 FMAs
 enum class PrefillPath { kVector, kAmx, kDot };
+constexpr const char* kPrefillPathNames[] = {"vector", "amx_bf16", "avx512_bf16"};  // by PrefillPath
 std::atomic<int> attention_path{-1};  // -1: auto, else a PrefillPath forced (attention_select_path)
 
 #if defined(__AVX512F__)
@@ -324,13 +326,6 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i interleave_pairs(__m2
 
 __attribute__((target("avx512f"))) inline __m256i load16(const uint16_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-// A bf16 pair of p (two consecutive elements) in every float32 lane, as vdpbf16ps reads its broadcast operand.
-__attribute__((target("avx512f,avx512bf16"))) inline __m512bh pair_at(const uint16_t* p) {
-  int32_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return (__m512bh)_mm512_set1_epi32(bits);
 }
 
 __attribute__((target("avx512f,avx512bf16"))) inline __m512bh bf16_vec(const uint16_t* p) {
@@ -414,7 +409,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
     } else {
       // kDotRows rows of one block's 16 scores at a time, even and odd dim pairs in separate sums (2 * kDotRows
       // chains, past vdpbf16ps's latency), scaled as they are stored
-      for (int rt = 0; rt < R16; rt += kDotRows) {
+      for (int rt = 0; rt < R; rt += kDotRows) {  // rows past R: block_softmax zeroes their p
         for (int b = 0; b < blocks; ++b) {
           __m512 s0[kDotRows], s1[kDotRows];
           for (int i = 0; i < kDotRows; ++i) s0[i] = s1[i] = _mm512_setzero_ps();
@@ -422,8 +417,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
           for (int d = 0; d < D; d += 4) {
             const __m512bh k0 = bf16_vec(kb + d * B), k1 = bf16_vec(kb + (d + 2) * B);
             for (int i = 0; i < kDotRows; ++i) {
-              s0[i] = _mm512_dpbf16_ps(s0[i], pair_at(qb + (rt + i) * D + d), k0);
-              s1[i] = _mm512_dpbf16_ps(s1[i], pair_at(qb + (rt + i) * D + d + 2), k1);
+              s0[i] = _mm512_dpbf16_ps(s0[i], bf16_pair(qb + (rt + i) * D + d), k0);
+              s1[i] = _mm512_dpbf16_ps(s1[i], bf16_pair(qb + (rt + i) * D + d + 2), k1);
             }
           }
           for (int i = 0; i < kDotRows; ++i)
@@ -440,8 +435,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
       for (int b = 0; b < NB; ++b)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * KB + b * B),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * KB + b * B)));
-    const int chunks = (n + 31) / 32;
     if constexpr (kTiles) {
+      const int chunks = (n + 31) / 32;
       for (int rt = 0; rt < R16; rt += 16) {  // two output tiles in flight (5 and 7: 32 dims), D a multiple of 32
         for (int d = 0; d < D; d += 32) {
           _tile_zero(5);
@@ -478,7 +473,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
             const uint16_t* v = vp + ((jp / 16 * (D / 16) + d / 16) * 16 + jp % 16) * 32;
             const __m512bh v0 = bf16_vec(v), v1 = bf16_vec(v + 16 * 32);
             for (int i = 0; i < kDotRows; ++i) {
-              const __m512bh pp = pair_at(pb + (rt + i) * KB + 2 * jp);
+              const __m512bh pp = bf16_pair(pb + (rt + i) * KB + 2 * jp);
               a0[i] = _mm512_dpbf16_ps(a0[i], pp, v0);
               a1[i] = _mm512_dpbf16_ps(a1[i], pp, v1);
             }
@@ -626,16 +621,10 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, at::BFloat16> && B == kAmxAttnBlock) {
         if (pairs && w.partial < 0 && (w.q_end - w.q_begin) * G >= 16) {
-          const auto* k16 = static_cast<const uint16_t*>(kc);
-          const auto* v16 = static_cast<const uint16_t*>(vc);
-          const int32_t* table = tables + w.seq * table_stride;
-          const int q_len = qsl[w.seq + 1] - qsl[w.seq];
-          if (amx)
-            attention_item_pairs<true>(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, k16, v16, table, lens[w.seq],
-                                       q_len, shape, scratch);
-          else
-            attention_item_pairs<false>(w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, k16, v16, table, lens[w.seq],
-                                        q_len, shape, scratch);
+          (amx ? attention_item_pairs<true> : attention_item_pairs<false>)(
+              w, q + qsl[w.seq] * row, o + qsl[w.seq] * row, static_cast<const uint16_t*>(kc),
+              static_cast<const uint16_t*>(vc), tables + w.seq * table_stride, lens[w.seq],
+              qsl[w.seq + 1] - qsl[w.seq], shape, scratch);
           continue;
         }
       }
@@ -762,29 +751,29 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
 std::string attention_prefill_path() {
 #if defined(__AVX512F__)
-  switch (prefill_path()) {
-    case PrefillPath::kAmx: return "amx_bf16";
-    case PrefillPath::kDot: return "avx512_bf16";
-    case PrefillPath::kVector: break;
-  }
+  return kPrefillPathNames[static_cast<int>(prefill_path())];
+#else
+  return kPrefillPathNames[static_cast<int>(PrefillPath::kVector)];
 #endif
-  return "vector";
 }
 
 // Forces the prefill tiles' path (for tests and benchmarks), or "auto"; returns the path in use before.
 std::string attention_select_path(const std::string& path) {
   const std::string previous = attention_prefill_path();
-  TORCH_CHECK(path == "auto" || path == "vector" || path == "amx_bf16" || path == "avx512_bf16",
-              "attention_select_path: unknown path '", path, "' (auto, vector, amx_bf16, avx512_bf16)");
+  const auto* names = std::begin(kPrefillPathNames);
+  const auto* named = std::find(names, std::end(kPrefillPathNames), path);
+  TORCH_CHECK(path == "auto" || named != std::end(kPrefillPathNames), "attention_select_path: unknown path '",
+              path, "' (auto, vector, amx_bf16, avx512_bf16)");
+  const auto forced = static_cast<PrefillPath>(named - names);
 #if defined(__AVX512F__)
-  TORCH_CHECK(path != "amx_bf16" || amx_attention_runs(), "attention_select_path: this CPU does not run amx_bf16");
-  TORCH_CHECK(path != "avx512_bf16" || dot_attention_runs(),
+  TORCH_CHECK(path == "auto" || forced != PrefillPath::kAmx || amx_attention_runs(),
+              "attention_select_path: this CPU does not run amx_bf16");
+  TORCH_CHECK(path == "auto" || forced != PrefillPath::kDot || dot_attention_runs(),
               "attention_select_path: this CPU does not run avx512_bf16");
-  const PrefillPath forced = path == "vector" ? PrefillPath::kVector
-                             : path == "amx_bf16" ? PrefillPath::kAmx : PrefillPath::kDot;
   attention_path.store(path == "auto" ? -1 : static_cast<int>(forced), std::memory_order_relaxed);
 #else
-  TORCH_CHECK(path == "auto" || path == "vector", "attention_select_path: this build does not run ", path);
+  TORCH_CHECK(path == "auto" || forced == PrefillPath::kVector, "attention_select_path: this build does not run ",
+              path);
 #endif
   return previous;
 }

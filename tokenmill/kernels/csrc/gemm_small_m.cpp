@@ -43,8 +43,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void small_m_bf1
 #pragma GCC unroll 8
     for (int m = 0; m < kSmallMRows; ++m) {
       if (m < rows) {
-        const int32_t pair = reinterpret_cast<const int32_t*>(x + m * x_stride)[k];
-        acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_set1_epi32(pair));
+        acc[m] = _mm512_dpbf16_ps(acc[m], wv, bf16_pair(x + m * x_stride + 2 * k));
       }
     }
   }

@@ -59,6 +59,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "vec.h"
 
 namespace TM_NAMESPACE {
 namespace {
@@ -546,9 +547,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void tile_bf16(c
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pairs + k * kTileOutputs);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pairs + k * kTileOutputs + kGroup);
     for (int r = 0; r < R; ++r) {
-      int32_t xp;
-      std::memcpy(&xp, x + r * x_stride + 2 * k, 4);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+      const __m512bh xb = bf16_pair(x + r * x_stride + 2 * k);
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
     }

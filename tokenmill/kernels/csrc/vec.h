@@ -155,6 +155,16 @@ inline vfloat vexp_masked(vfloat x) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// Two consecutive bf16 at p (a pair: one of x's K pairs, or of P's key pairs) in every float32 lane, as vdpbf16ps
+// reads the operand it pairs with a vector of packed pairs.
+__attribute__((target("avx512f,avx512bf16"))) inline __m512bh bf16_pair(const uint16_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+#endif
+
 template <typename T>
 inline typename Elem<T>::raw* raw_ptr(const at::Tensor& t) {
   return reinterpret_cast<typename Elem<T>::raw*>(t.data_ptr());
